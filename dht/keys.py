@@ -1,0 +1,57 @@
+"""Every DHT key pathswarm reads or writes, in one place.
+
+Keys are plain strings that hivemind hashes into DHT ids. Each entry says who writes it, under which
+subkey, and how long a record lives. Records under these keys are validated by `dht.validators`
+(owner signature, schema, expiry cap); the averaging prefixes are used by hivemind's matchmaking,
+which writes its own records beneath them.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+#: Claims and peer info are renewed by heartbeat; a departed peer disappears after this long.
+CLAIM_TTL_SECONDS = 30.0
+#: Every peer holding a verified manifest re-publishes it this often, with this TTL.
+MANIFEST_TTL_SECONDS = 300.0
+#: No record may claim to live longer than this (a forged far-future expiry is refused).
+MAX_RECORD_TTL_SECONDS = 600.0
+
+
+def check_run_name(name: str) -> str:
+    if not _RUN_NAME_RE.match(name):
+        raise ValueError(f"run name {name!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return name
+
+
+def manifest_key(run_name: str) -> str:
+    """The signed run manifest. Written by the creator and re-published by every peer that verified
+    it, each under its own owner subkey; TTL MANIFEST_TTL_SECONDS."""
+    return f"pathswarm_{check_run_name(run_name)}_manifest"
+
+
+def run_namespace(run_name: str, run_id: str) -> str:
+    """Prefix of a run's live keys; the manifest hash keeps two runs of the same name apart."""
+    return f"pathswarm_{check_run_name(run_name)}_{run_id[:16]}"
+
+
+def claims_key(run_name: str, run_id: str) -> str:
+    """Path claims with progress: one record per peer under its owner subkey, renewed by heartbeat;
+    TTL CLAIM_TTL_SECONDS."""
+    return f"{run_namespace(run_name, run_id)}_claims"
+
+
+def averaging_prefix(run_name: str, run_id: str, module_id: str, fragment: int = 0) -> str:
+    """hivemind matchmaking prefix for the holders of one module fragment (hivemind writes the
+    group records under it, with its own short expirations)."""
+    return f"{run_namespace(run_name, run_id)}_avg_{module_id}_f{fragment}"
+
+
+def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
+    """Keys whose records have a schema, by record kind; the validator is built from this."""
+    keys = {"manifest": manifest_key(run_name)}
+    if run_id is not None:
+        keys["claim"] = claims_key(run_name, run_id)
+    return keys

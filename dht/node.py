@@ -1,0 +1,110 @@
+"""Starting a hivemind DHT node for pathswarm: identity, validators, and clear errors.
+
+One RSA key serves both as the libp2p identity (`--identity_path`, the file format hivemind's p2pd
+reads) and as the key that signs this peer's DHT records, so a restarted peer with the same
+identity still owns its claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
+from cryptography.hazmat.primitives import serialization
+
+from dht.keys import MAX_RECORD_TTL_SECONDS
+from dht.validators import RecordSchemaValidator
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
+
+
+class SwarmError(RuntimeError):
+    """A problem joining or talking to the swarm, worded for the person running the peer."""
+
+
+def load_identity(identity_path: str | os.PathLike | None) -> RSAPrivateKey:
+    """The peer's RSA key; created (and saved, mode 0400) if the file does not exist yet."""
+    if identity_path is None:
+        return RSAPrivateKey()
+    path = Path(identity_path)
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise SwarmError(f"cannot create identity {path}: folder {path.parent} does not exist")
+        P2P.generate_identity(str(path))
+        logger.info(f"created a new identity in {path}")
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError("not an RSA key")
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key._private_key = serialization.load_der_private_key(proto.data, password=None)
+        return key
+    except Exception as e:
+        raise SwarmError(f"cannot read identity file {path}: {e}") from e
+
+
+def check_maddrs(maddrs: Sequence[str], flag: str) -> list[str]:
+    out = []
+    for m in maddrs:
+        try:
+            Multiaddr(m)
+        except Exception as e:
+            raise SwarmError(f"{flag}: {m!r} is not a multiaddress ({e})") from e
+        out.append(m)
+    return out
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | os.PathLike | None = None,
+    client_mode: bool = False,
+    run_name: str | None = None,
+    run_id: str | None = None,
+    max_record_ttl_seconds: float = MAX_RECORD_TTL_SECONDS,
+    startup_timeout_seconds: float = 30.0,
+) -> tuple[hivemind.DHT, RSAPrivateKey]:
+    """Starts a DHT node that validates pathswarm's records for `run_name` (if given)."""
+    key = load_identity(identity_path)
+    initial_peers = check_maddrs(initial_peers, "--initial_peers")
+    validators: list = [RSASignatureValidator(key)]
+    if run_name is not None:
+        validators.append(RecordSchemaValidator(run_name, run_id, max_record_ttl_seconds))
+    kwargs = dict(
+        host_maddrs=check_maddrs(host_maddrs, "--host_maddrs"),
+        announce_maddrs=check_maddrs(announce_maddrs, "--announce_maddrs") or None,
+        client_mode=client_mode,
+        nat_port_map=False,
+        startup_timeout=startup_timeout_seconds,
+    )
+    if identity_path is not None:
+        kwargs["identity_path"] = str(identity_path)
+    try:
+        dht = hivemind.DHT(
+            initial_peers=initial_peers or None, start=True, record_validators=validators, **kwargs
+        )
+    except Exception as e:
+        hint = " (is the bootstrap peer running and reachable?)" if initial_peers else ""
+        raise SwarmError(f"could not start the DHT node: {str(e).splitlines()[0] if str(e) else repr(e)}{hint}") from e
+    return dht, key
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+def owner_subkey(key: RSAPrivateKey) -> bytes:
+    """The subkey under which only `key`'s holder may write (checked by RSASignatureValidator)."""
+    return RSASignatureValidator(key).local_public_key

@@ -1,0 +1,64 @@
+"""Versioned schemas of every record pathswarm stores in the DHT.
+
+Each record carries a `version`; readers accept unknown extra fields so that newer peers can add
+fields without breaking older ones, but a record whose known fields are malformed is refused.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_MODULE_ID = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    version: int = Field(1, ge=1)
+
+
+class ManifestRecord(Record):
+    """A run manifest as the creator signed it. `run_id` is sha256 of the canonical manifest JSON and
+    `signature` is the creator's RSA signature of `run_id`; anyone may re-publish the record, nobody
+    can alter it unnoticed."""
+
+    run_id: str
+    manifest_json: str = Field(max_length=48 * 1024)
+    creator_public_key: bytes = Field(max_length=4096)
+    signature: bytes = Field(max_length=4096)
+
+    @field_validator("run_id")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _HEX64.match(v):
+            raise ValueError("run_id must be 64 lowercase hex characters")
+        return v
+
+
+class ClaimRecord(Record):
+    """A peer's claim on a path, with the progress others use for planning and drift checks."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    path: int = Field(ge=0, lt=1 << 20)
+    modules: list[str] = Field(max_length=64)
+    step: int = Field(0, ge=0)
+    outer_round: int = Field(0, ge=0)
+    tokens_total: int = Field(0, ge=0)
+    tokens_per_second: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    client_mode: bool = False
+    #: per module: a few random projections of the global copy, to spot holders that drifted apart
+    fingerprints: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("modules")
+    @classmethod
+    def _module_ids(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if not _MODULE_ID.match(m):
+                raise ValueError(f"bad module id {m!r}")
+        return v
+
+
+SCHEMAS: dict[str, type[Record]] = {"manifest": ManifestRecord, "claim": ClaimRecord}

@@ -1,0 +1,214 @@
+"""Prometheus metrics of one peer, on its own registry, served over HTTP for scraping.
+
+Each ``PeerMetrics`` owns a ``CollectorRegistry`` rather than using the process-global one, so tests (and
+a process hosting several peers) can create as many as they like without name collisions. Values are in
+base units (seconds, bytes, tokens); labels take only values from small fixed sets, and identity (run,
+path, peer id) lives in the ``pathswarm_peer_info`` series rather than on every metric, so the number of
+series stays bounded however long a peer runs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import platform
+import threading
+from typing import NamedTuple
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import start_http_server as _start_http_server
+
+OUTCOMES = ("averaged", "alone", "partial", "failed", "timeout")
+BAD_PART_REASONS = ("shape", "dtype", "nonfinite", "norm", "weight")
+# All-reduce rounds over volunteer links: tens of ms on a LAN up to the two-minute round deadline.
+ALLREDUCE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+# Guard against a bug turning the module label into an unbounded one (grids have at most a few hundred).
+MAX_MODULE_SERIES = 512
+
+logger = logging.getLogger(__name__)
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class NetBytes(NamedTuple):
+    sent: int
+    received: int
+
+
+def network_bytes() -> NetBytes | None:
+    """Bytes sent/received by the whole host since boot (psutil), or None where it is unavailable.
+
+    A fallback for traffic the trainer cannot count itself: diff two readings around a round. It counts
+    every process on the host, so it over-counts on shared machines.
+    """
+    try:
+        counters = psutil.net_io_counters()
+    except (OSError, RuntimeError):
+        return None
+    if counters is None:
+        return None
+    return NetBytes(counters.bytes_sent, counters.bytes_recv)
+
+
+class PeerMetrics:
+    """The metrics a training peer exports; the trainer calls the ``observe_*``/``set_*`` methods."""
+
+    def __init__(self, run: str, peer_id: str, path: str, version: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.tokens = Counter("pathswarm_tokens", "Training tokens processed by inner steps.", registry=r)
+        self.inner_steps = Counter(
+            "pathswarm_inner_steps", "Inner (local) optimizer steps taken.", registry=r
+        )
+        self.outer_rounds = Counter(
+            "pathswarm_outer_rounds",
+            "Outer rounds by outcome: averaged with a full group, alone (no partners), partial group, "
+            "failed, or timeout.",
+            ["outcome"],
+            registry=r,
+        )
+        self.bytes_sent = Counter("pathswarm_bytes_sent", "Bytes sent to other peers.", registry=r)
+        self.bytes_received = Counter(
+            "pathswarm_bytes_received", "Bytes received from other peers.", registry=r
+        )
+        self.bad_parts = Counter(
+            "pathswarm_bad_parts",
+            "All-reduce parts rejected from other peers, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.loss = Gauge("pathswarm_loss", "Training loss of the last inner step.", registry=r)
+        self.outer_round = Gauge(
+            "pathswarm_outer_round", "Outer round this peer last took part in.", registry=r
+        )
+        self.group_size = Gauge(
+            "pathswarm_group_size", "Peers in the last outer round's group (1 when alone).", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "pathswarm_tokens_per_second",
+            "Recent inner-loop training throughput in tokens per second.",
+            registry=r,
+        )
+        self.module_holders = Gauge(
+            "pathswarm_module_holders",
+            "Peers currently announcing each module in the DHT.",
+            ["module"],
+            registry=r,
+        )
+        self.peers_seen = Gauge(
+            "pathswarm_peers_seen", "Distinct live peers of this run seen in the DHT.", registry=r
+        )
+        self.allreduce_seconds = Histogram(
+            "pathswarm_allreduce_seconds",
+            "Wall time of outer-round all-reduces (rounds spent alone are not observed).",
+            buckets=ALLREDUCE_BUCKETS,
+            registry=r,
+        )
+        self.build_info = Info("pathswarm_build", "Versions of pathswarm and its runtime.", registry=r)
+        self.build_info.info(
+            {"version": version, "python": platform.python_version(), "torch": _package_version("torch")}
+        )
+        self.peer_info = Info("pathswarm_peer", "Identity of this peer.", registry=r)
+        self.peer_info.info({"run": run, "path": path, "peer_id": peer_id})
+
+        # Export every fixed label value from the start: rate() over a series that appears late misses
+        # its first increment, and dashboards would show "no data" instead of zero.
+        for outcome in OUTCOMES:
+            self.outer_rounds.labels(outcome)
+        for reason in BAD_PART_REASONS:
+            self.bad_parts.labels(reason)
+
+        self._modules: set[str] = set()
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    def observe_step(self, tokens: int, loss: float, tokens_per_second: float) -> None:
+        """Record one inner step."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        self.tokens.inc(tokens)
+        self.inner_steps.inc()
+        self.loss.set(loss)
+        self.tokens_per_second.set(tokens_per_second)
+
+    def observe_round(
+        self,
+        outcome: str,
+        seconds: float,
+        group_size: int,
+        bytes_sent: int,
+        bytes_received: int,
+        *,
+        outer_round: int | None = None,
+    ) -> None:
+        """Record one outer round; ``outer_round`` is the swarm's round number (default: count locally)."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outer-round outcome {outcome!r}; expected one of {OUTCOMES}")
+        if bytes_sent < 0 or bytes_received < 0:
+            raise ValueError("byte counts must be >= 0")
+        self.outer_rounds.labels(outcome).inc()
+        if outcome != "alone":  # no all-reduce ran; its ~0 s would drag the latency quantiles down
+            self.allreduce_seconds.observe(seconds)
+        self.group_size.set(group_size)
+        self.add_bytes(bytes_sent, bytes_received)
+        if outer_round is None:
+            self.outer_round.inc()
+        else:
+            self.outer_round.set(outer_round)
+
+    def add_bytes(self, sent: int, received: int) -> None:
+        """Count traffic outside outer rounds (e.g. DHT, fetching modules from holders)."""
+        self.bytes_sent.inc(sent)
+        self.bytes_received.inc(received)
+
+    def bad_part(self, reason: str) -> None:
+        """Count one rejected all-reduce part."""
+        if reason not in BAD_PART_REASONS:
+            raise ValueError(f"unknown bad-part reason {reason!r}; expected one of {BAD_PART_REASONS}")
+        self.bad_parts.labels(reason).inc()
+
+    def set_holders(self, module: str, n: int) -> None:
+        """Set how many peers hold ``module`` (e.g. "trunk", "L0M1")."""
+        module = str(module)
+        with self._lock:
+            if module not in self._modules:
+                if len(self._modules) >= MAX_MODULE_SERIES:
+                    logger.warning(
+                        "dropping holders of module %r: over %d module series", module, MAX_MODULE_SERIES
+                    )
+                    return
+                self._modules.add(module)
+        self.module_holders.labels(module).set(n)
+
+    def set_peers_seen(self, n: int) -> None:
+        self.peers_seen.set(n)
+
+    def render(self) -> bytes:
+        """The current metrics in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; port 0 picks a free port. Returns it."""
+        with self._lock:
+            if self._server is not None:
+                raise RuntimeError(f"metrics already served on port {self._server.server_address[1]}")
+            self._server, self._thread = _start_http_server(port, addr=host, registry=self.registry)
+            return int(self._server.server_address[1])
+
+    def shutdown(self) -> None:
+        """Stop the HTTP server, if any; safe to call twice."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)

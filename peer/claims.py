@@ -1,0 +1,85 @@
+"""Path claims: who trains which path, renewed by heartbeat, and the choice of a path to claim.
+
+A claim is a `ClaimRecord` under the run's claims key and the claimant's owner subkey (so nobody
+can overwrite another peer's claim), with a TTL of `CLAIM_TTL_SECONDS`: a peer that stops
+heartbeating simply disappears from the swarm's view.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import hivemind
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import ValidationError
+
+from dht.keys import CLAIM_TTL_SECONDS, claims_key
+from dht.node import owner_subkey
+from dht.schema import ClaimRecord
+from peer.model import ModelConfig, stable_seed
+
+logger = logging.getLogger(__name__)
+
+
+def publish_claim(
+    dht: hivemind.DHT, key: RSAPrivateKey, run_name: str, run_id: str, claim: ClaimRecord, ttl: float = CLAIM_TTL_SECONDS
+) -> bool:
+    return bool(
+        dht.store(
+            claims_key(run_name, run_id),
+            subkey=owner_subkey(key),
+            value=claim.model_dump(),
+            expiration_time=get_dht_time() + ttl,
+        )
+    )
+
+
+def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, ClaimRecord]:
+    """Unexpired claims by peer id. Records were validated by the DHT; parse them again anyway,
+    since a peer is never trusted and one owner key must not speak for several peer ids."""
+    found = dht.get(claims_key(run_name, run_id), latest=True)
+    claims: dict[str, ClaimRecord] = {}
+    if found is None or not isinstance(found.value, dict):
+        return claims
+    now = get_dht_time()
+    for item in found.value.values():
+        if item.expiration_time < now:
+            continue
+        try:
+            claim = ClaimRecord.model_validate(item.value)
+        except ValidationError:
+            continue
+        previous = claims.get(claim.peer_id)
+        if previous is None or claim.step >= previous.step:
+            claims[claim.peer_id] = claim
+    return claims
+
+
+def holders_by_module(claims: dict[str, ClaimRecord]) -> dict[str, list[str]]:
+    holders: dict[str, list[str]] = {}
+    for peer_id, claim in sorted(claims.items()):
+        for module in claim.modules:
+            holders.setdefault(module, []).append(peer_id)
+    return holders
+
+
+def choose_path(cfg: ModelConfig, claims: dict[str, ClaimRecord], peer_id: str) -> int:
+    """The least-covered path; ties are broken by a hash of (peer id, path), which is deterministic
+    for a given peer yet spreads peers that join at the same moment over different paths."""
+    coverage = Counter(c.path for pid, c in claims.items() if pid != peer_id and not c.client_mode)
+    return min(range(cfg.n_paths), key=lambda p: (coverage[p], stable_seed(peer_id, p)))
+
+
+def should_move(cfg: ModelConfig, claims: dict[str, ClaimRecord], peer_id: str, my_path: int) -> int | None:
+    """After claims settle: if my path is doubled while another path is empty, the doubled peer with
+    the highest tie-break hash moves (every peer computes the same answer, so exactly one moves)."""
+    coverage = Counter(c.path for c in claims.values() if not c.client_mode)
+    empty = [p for p in range(cfg.n_paths) if coverage[p] == 0]
+    if not empty or coverage[my_path] < 2:
+        return None
+    sharers = sorted(pid for pid, c in claims.items() if c.path == my_path and not c.client_mode)
+    if max(sharers, key=lambda pid: stable_seed(pid, my_path)) != peer_id:
+        return None
+    return min(empty, key=lambda p: stable_seed(peer_id, p))

@@ -1,0 +1,207 @@
+"""The typed configuration tree: what a run fixes for everyone, and what each peer chooses.
+
+`RunManifest` is signed into the DHT when a run is created; every peer trains with exactly it.
+`PeerConfig` is one volunteer's settings, layered from a config file, `PATHSWARM_*` environment
+variables and command-line flags (in increasing priority), validated once and logged at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dht.keys import check_run_name
+from peer.data import DatasetSpec
+from peer.model import ModelConfig
+
+MANIFEST_FORMAT_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class InnerOptimizerConfig(_Frozen):
+    """AdamW on the local path (DiPaCo defaults), cosine schedule with linear warmup."""
+
+    lr: float = Field(4e-4, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    total_steps: int = Field(10_000, ge=1)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip_norm: float = Field(1.0, gt=0)
+
+
+class OuterOptimizerConfig(_Frozen):
+    """SGD with Nesterov momentum on each module's global copy (DiLoCo)."""
+
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    #: DiPaCo rescales a shared module's outer gradient by sqrt(paths through it); off by default
+    #: because our probe measured it worse than dense (DESIGN.md).
+    sqrt_paths_scaling: bool = False
+
+
+class SyncConfig(_Frozen):
+    """How holders of a module average their outer gradients."""
+
+    codec: Literal["fp32", "fp16"] = "fp32"
+    fragments: int = Field(1, ge=1, le=64)
+    averaging_timeout_seconds: float = Field(60.0, gt=0)
+    #: how long a peer waits for the other holders to join its group before averaging without them
+    matchmaking_time_seconds: float = Field(15.0, gt=0)
+    #: received outer gradients with a larger L2 norm per module are refused (0 = no bound)
+    max_delta_norm: float = Field(1e4, ge=0)
+
+
+class RunManifest(_Frozen):
+    """Everything that must be identical on every peer of a run. Its sha256 is the run id."""
+
+    format_version: int = MANIFEST_FORMAT_VERSION
+    name: str
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    seq_len: int = Field(64, ge=8)
+    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
+    inner: InnerOptimizerConfig = InnerOptimizerConfig()
+    outer: OuterOptimizerConfig = OuterOptimizerConfig()
+    sync: SyncConfig = SyncConfig()
+    dataset: DatasetSpec = DatasetSpec()
+    tokenizer: str = "bytes"
+    tokenizer_fingerprint: str = ""
+    router: dict[str, Any] = Field(default_factory=dict)
+    created_at: float = 0.0
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_run_name(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunManifest:
+        if self.seq_len + 1 > self.model.max_seq_len:
+            raise ValueError(f"seq_len + 1 = {self.seq_len + 1} exceeds model.max_seq_len = {self.model.max_seq_len}")
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def run_id(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+class PeerConfig(BaseModel):
+    """One peer's settings. Field names are the CLI flags (hivemind/petals spelling)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial_peers: list[str] = Field(default_factory=list)
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = Field(default_factory=list)
+    identity_path: Path | None = None
+    client_mode: bool = False
+    new_swarm: bool = False
+    run: str = Field(..., description="NAME or NAME@HASH (pins the manifest's sha256 or a prefix of it)")
+    manifest_path: Path | None = Field(None, description="a signed manifest file to verify and publish")
+    path: str | None = Field(None, description="claim this path (index or one module index per level)")
+    device: str = "auto"
+    batch_size: int = Field(8, ge=1)
+    inner_optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "0.0.0.0"
+    checkpoint_dir: Path | None = None
+    checkpoint_every_rounds: int = Field(1, ge=1)
+    resume: bool = False
+    max_rounds: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    heartbeat_seconds: float = Field(5.0, gt=0)
+    torch_threads: int | None = Field(None, ge=1)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        name, _, pin = v.partition("@")
+        check_run_name(name)
+        if pin and (len(pin) < 8 or any(c not in "0123456789abcdef" for c in pin)):
+            raise ValueError(f"run pin {pin!r} must be at least 8 lowercase hex digits of the manifest hash")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu") and not v.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], not {v!r}")
+        return v
+
+    @property
+    def run_name(self) -> str:
+        return self.run.partition("@")[0]
+
+    @property
+    def run_pin(self) -> str | None:
+        return self.run.partition("@")[2] or None
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line."""
+
+
+ENV_PREFIX = "PATHSWARM_"
+
+
+def _env_values(model: type[BaseModel]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        raw = os.environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if "list" in str(field.annotation):
+            values[name] = json.loads(raw) if raw.lstrip().startswith("[") else raw.replace(",", " ").split()
+        else:
+            values[name] = raw
+    return values
+
+
+def _file_values(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {path} is malformed: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table/object of settings")
+    return data
+
+
+def one_line(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "config"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_peer_config(cli_values: dict[str, Any], config_file: Path | None = None) -> PeerConfig:
+    """Merges file < environment < command line, then validates once."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(_file_values(config_file))
+    merged.update(_env_values(PeerConfig))
+    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    try:
+        return PeerConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(f"invalid peer configuration: {one_line(e)}") from None

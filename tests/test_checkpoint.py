@@ -1,0 +1,231 @@
+"""Atomic checkpoints: round trip, crash mid-write, corruption, pruning and a full disk."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer import checkpoint, faults
+from peer.checkpoint import CheckpointError, list_checkpoints, load_latest_checkpoint, save_checkpoint
+from peer.faults import ENV_VAR, InjectedFault
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_faults(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    faults.reset_faults()
+    yield
+    faults.reset_faults()
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_round_trip(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(10, 4, generator=g)
+    base = torch.arange(24, dtype=torch.float32)
+    tensors = {
+        "emb.weight": emb,
+        "head.weight": emb,  # tied: the same tensor under two names
+        "half": base[:12],  # views sharing one storage
+        "other_half": base[12:].view(3, 4),
+        "transposed": torch.randn(3, 5, generator=g).t(),  # non-contiguous
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(2, 2, generator=g).half(),
+        "steps": torch.tensor(12345678901, dtype=torch.int64),  # 0-dim
+        "mask": torch.tensor([True, False, True]),
+        "bytes": torch.arange(5, dtype=torch.uint8),
+        "empty": torch.zeros(0, 3),
+    }
+    meta = {"step": 42, "run_id": "run-a", "path": [0, 1], "progress": {"tokens": 10**9, "loss": 2.5}}
+    folder = save_checkpoint(tmp_path, tensors, meta)
+    assert folder == tmp_path / "ckpt-000000042"
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "tensors.safetensors"]
+
+    loaded, loaded_meta = load_latest_checkpoint(tmp_path)
+    assert loaded_meta == meta
+    assert_same(loaded, {k: v.contiguous() for k, v in tensors.items()})
+    # Tied weights come back as independent copies; the caller re-ties them.
+    assert loaded["emb.weight"].data_ptr() != loaded["head.weight"].data_ptr()
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["step"] == 42
+    assert manifest["tensors"]["bf16"] == {"shape": [7], "dtype": "bfloat16"}
+    assert manifest["tensors_file"]["size"] == (folder / "tensors.safetensors").stat().st_size
+    # Plain safetensors: any reader opens the file.
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(folder / "tensors.safetensors")["bf16"], tensors["bf16"])
+
+
+def test_save_copies_tensors(tmp_path):
+    t = {"w": torch.zeros(3)}
+    save_checkpoint(tmp_path, t, {"step": 1})
+    t["w"].add_(1)  # training goes on; the checkpoint must not change
+    loaded, _ = load_latest_checkpoint(tmp_path)
+    assert torch.equal(loaded["w"], torch.zeros(3))
+
+
+def test_empty_directory(tmp_path):
+    assert load_latest_checkpoint(tmp_path) is None
+    assert load_latest_checkpoint(tmp_path / "missing") is None
+    assert list_checkpoints(tmp_path / "missing") == []
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, weights(0), {"no_step": 1})
+    with pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, weights(0), {"step": 1, "x": object()})
+    with pytest.raises(CheckpointError):
+        save_checkpoint(tmp_path, weights(0), {"step": 1}, keep=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+SAVE_TWO = """
+import sys, torch
+from pathlib import Path
+from peer.checkpoint import save_checkpoint
+d = Path(sys.argv[1])
+save_checkpoint(d, {"w": torch.full((4, 3), 1.0), "b": torch.ones(3)}, {"step": 1})
+print("saved 1", flush=True)
+save_checkpoint(d, {"w": torch.full((4, 3), 2.0), "b": torch.ones(3)}, {"step": 2})
+print("saved 2", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["checkpoint.after_tensors", "checkpoint.before_manifest"])
+def test_killed_during_write(tmp_path, point):
+    # @2: the first save completes, the second is killed at the point.
+    env = {**os.environ, ENV_VAR: f"{point}@2=kill", "PYTHONPATH": str(REPO)}
+    with subprocess.Popen(
+        [sys.executable, "-c", SAVE_TWO, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    assert stdout == "saved 1\n"
+    # The dead writer left its temp folder, durable tensors and no manifest inside; no ckpt-2 was published.
+    temp = tmp_path / f"ckpt-000000002.tmp-{proc.pid}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", temp.name]
+    leftovers = sorted(p.name for p in temp.iterdir())
+    if point == "checkpoint.after_tensors":
+        assert leftovers == ["tensors.safetensors"]
+    else:
+        assert leftovers == ["manifest.json.partial", "tensors.safetensors"]
+    assert [info.step for info in list_checkpoints(tmp_path)] == [1]
+
+    loaded, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 1}
+    assert torch.equal(loaded["w"], torch.full((4, 3), 1.0))
+
+    # The next save clears the dead writer's temp folder.
+    save_checkpoint(tmp_path, weights(3), {"step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001", "ckpt-000000003"]
+
+
+def test_injected_raise_cleans_up(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, weights(1), {"step": 1})
+    monkeypatch.setenv(ENV_VAR, "checkpoint.before_manifest=raise")
+    with pytest.raises(InjectedFault):
+        save_checkpoint(tmp_path, weights(2), {"step": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000001"]
+
+
+def test_corrupt_checkpoint_skipped(tmp_path, caplog):
+    save_checkpoint(tmp_path, weights(1), {"step": 1})
+    newest = save_checkpoint(tmp_path, weights(2), {"step": 2})
+    path = newest / "tensors.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # flip bits in the last tensor's data
+    path.write_bytes(bytes(data))
+
+    loaded, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 1}
+    assert_same(loaded, weights(1))
+    assert "sha256 mismatch" in caplog.text
+
+
+def test_incomplete_checkpoint_skipped(tmp_path, caplog):
+    save_checkpoint(tmp_path, weights(1), {"step": 1})
+    newest = save_checkpoint(tmp_path, weights(2), {"step": 2})
+    (newest / "manifest.json").write_text('{"format": "pathswarm-checkpoint", "vers')  # torn manifest
+    assert [info.complete for info in list_checkpoints(tmp_path)] == [True, False]
+    _, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 1}
+    assert "incomplete" in caplog.text
+
+    (tmp_path / "ckpt-000000001" / "tensors.safetensors").unlink()
+    assert load_latest_checkpoint(tmp_path) is None
+
+
+def test_prune_keeps_newest(tmp_path):
+    for step in (5, 10, 15, 20):
+        save_checkpoint(tmp_path, weights(step), {"step": step}, keep=3)
+    assert [info.step for info in list_checkpoints(tmp_path)] == [10, 15, 20]
+    save_checkpoint(tmp_path, weights(25), {"step": 25}, keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000025"]
+
+
+def test_same_step_replaced(tmp_path):
+    save_checkpoint(tmp_path, weights(1), {"step": 7, "v": 1})
+    save_checkpoint(tmp_path, weights(2), {"step": 7, "v": 2})
+    loaded, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 7, "v": 2}
+    assert_same(loaded, weights(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000007"]
+
+
+def test_low_disk_space_precheck(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, weights(1), {"step": 1})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10 * 2**20, 10 * 2**20 - 1000, 1000))
+    with pytest.raises(CheckpointError, match=r"not enough disk space in .*: need [\d.]+ MB, have 0\.0 MB"):
+        save_checkpoint(tmp_path, weights(2), {"step": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000001"]
+
+
+def test_enospc_during_write(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, weights(1), {"step": 1})
+    real_write = checkpoint._write_safetensors
+
+    def write_then_fill_disk(f, tensors):
+        real_write(f, tensors)  # a partial file really is on disk when the error hits
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint, "_write_safetensors", write_then_fill_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, weights(2), {"step": 2})
+    message = str(info.value)
+    assert "\n" not in message and "disk full" in message and "step 2" in message
+    assert isinstance(info.value.__cause__, OSError)
+    # Nothing of the failed write is left behind; the previous checkpoint loads.
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000001"]
+    loaded, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 1}
+    assert_same(loaded, weights(1))

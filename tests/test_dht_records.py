@@ -1,0 +1,112 @@
+"""DHT records on real hivemind nodes: signatures, schemas, expiry, and run manifests."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.keys import claims_key, manifest_key
+from dht.node import SwarmError, owner_subkey
+from dht.schema import ClaimRecord
+from peer.claims import choose_path, live_claims, publish_claim, should_move
+from peer.config import RunManifest
+from peer.manifest import fetch_manifest, publish_record, sign_manifest, verify_record
+from peer.model import ModelConfig
+
+RUN = "testrun"
+RUN_ID = "ab" * 32
+
+
+def claim(peer_id: str, path: int = 0, **kw) -> ClaimRecord:
+    return ClaimRecord(peer_id=peer_id, path=path, modules=["trunk", "l0m0", "l1m0"], **kw)
+
+
+def test_claims_round_trip_and_forgery_refused(dht_factory):
+    a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
+    b, key_b = dht_factory(run_name=RUN, run_id=RUN_ID)
+    reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
+    assert publish_claim(a, key_a, RUN, RUN_ID, claim("A", path=1))
+
+    # B writes under A's owner subkey: its signature cannot verify against A's key.
+    forged = claim("A", path=3).model_dump()
+    ok = b.store(claims_key(RUN, RUN_ID), subkey=owner_subkey(key_a), value=forged,
+                 expiration_time=get_dht_time() + 20)
+    assert not ok
+    claims = live_claims(reader, RUN, RUN_ID)
+    assert set(claims) == {"A"} and claims["A"].path == 1
+
+
+def test_malformed_and_far_future_records_refused(dht_factory):
+    a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
+    reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
+    key = claims_key(RUN, RUN_ID)
+    bad = dict(version=1, peer_id="A", path=-5, modules=["trunk"])
+    assert not a.store(key, subkey=owner_subkey(key_a), value=bad, expiration_time=get_dht_time() + 20)
+    not_owned = claim("A").model_dump()
+    assert not a.store(key, subkey=b"plain-subkey", value=not_owned, expiration_time=get_dht_time() + 20)
+    far = claim("A").model_dump()
+    assert not a.store(key, subkey=owner_subkey(key_a), value=far, expiration_time=get_dht_time() + 10_000)
+    assert live_claims(reader, RUN, RUN_ID) == {}
+
+
+def test_expired_claims_disappear(dht_factory):
+    a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
+    reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
+    assert publish_claim(a, key_a, RUN, RUN_ID, claim("A"), ttl=2.0)
+    assert "A" in live_claims(reader, RUN, RUN_ID)
+    time.sleep(2.5)
+    assert live_claims(reader, RUN, RUN_ID) == {}
+
+
+def test_choose_path_prefers_least_covered_and_unique_mover():
+    cfg = ModelConfig(n_levels=2, modules_per_level=2)
+    claims = {"p1": claim("p1", 0), "p2": claim("p2", 1), "p3": claim("p3", 1)}
+    assert choose_path(cfg, claims, "me") in (2, 3)
+    claims = {"p1": claim("p1", 0), "p2": claim("p2", 0), "p3": claim("p3", 1)}
+    movers = [pid for pid in ("p1", "p2") if should_move(cfg, claims, pid, 0) is not None]
+    assert len(movers) == 1
+    assert should_move(cfg, claims, movers[0], 0) in (2, 3)
+    assert should_move(cfg, claims, "p3", 1) is None
+
+
+def _manifest(seed: int = 0) -> RunManifest:
+    return RunManifest(name=RUN, seed=seed)
+
+
+def test_manifest_signature_and_tampering():
+    key = RSAPrivateKey()
+    record = sign_manifest(_manifest(), key)
+    assert verify_record(record).run_id == record.run_id
+    tampered = record.model_copy(update={"manifest_json": record.manifest_json.replace('"seed":0', '"seed":1')})
+    with pytest.raises(ValueError, match="hash"):
+        verify_record(tampered)
+    # Consistent hash, but signed by someone else's key than the one it names.
+    other = sign_manifest(_manifest(1), RSAPrivateKey())
+    forged = other.model_copy(update={"creator_public_key": record.creator_public_key})
+    with pytest.raises(ValueError, match="signature"):
+        verify_record(forged)
+
+
+def test_fetch_manifest_pins_and_refuses_forgeries(dht_factory):
+    a, key_a = dht_factory(run_name=RUN)
+    b, key_b = dht_factory(run_name=RUN)
+    good = sign_manifest(_manifest(0), key_a)
+    assert publish_record(a, key_a, good)
+    manifest, record = fetch_manifest(b, RUN, timeout_seconds=5)
+    assert record.run_id == good.run_id and manifest.seed == 0
+
+    # A forged manifest (valid record shape, wrong hash) is ignored; a second real run makes it ambiguous.
+    forged = good.model_copy(update={"manifest_json": good.manifest_json.replace('"seed":0', '"seed":7')})
+    b.store(manifest_key(RUN), subkey=owner_subkey(key_b), value=forged.model_dump(),
+            expiration_time=get_dht_time() + 60)
+    assert fetch_manifest(b, RUN, timeout_seconds=2)[1].run_id == good.run_id
+    second = sign_manifest(_manifest(5), key_b)
+    assert publish_record(b, key_b, second)
+    with pytest.raises(SwarmError, match="several runs"):
+        fetch_manifest(a, RUN, timeout_seconds=2)
+    assert fetch_manifest(a, RUN, pin=second.run_id[:10], timeout_seconds=2)[1].run_id == second.run_id
+    with pytest.raises(SwarmError, match="no verified manifest"):
+        fetch_manifest(a, RUN, pin="0123456789", timeout_seconds=1)
