@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import hivemind
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
-from cryptography.hazmat.primitives import serialization
 
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.validators import RecordSchemaValidator
@@ -97,7 +97,9 @@ def start_dht(
         )
     except Exception as e:
         hint = " (is the bootstrap peer running and reachable?)" if initial_peers else ""
-        raise SwarmError(f"could not start the DHT node: {str(e).splitlines()[0] if str(e) else repr(e)}{hint}") from e
+        raise SwarmError(
+            f"could not start the DHT node: {str(e).splitlines()[0] if str(e) else repr(e)}{hint}"
+        ) from e
     return dht, key
 
 

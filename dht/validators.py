@@ -29,7 +29,8 @@ class RecordSchemaValidator(RecordValidatorBase):
     def __init__(self, run_name: str, run_id: str | None, max_ttl_seconds: float = MAX_RECORD_TTL_SECONDS):
         self.max_ttl_seconds = max_ttl_seconds
         self._schema_by_key = {
-            DHTID.generate(source=key).to_bytes(): SCHEMAS[kind] for kind, key in run_keys(run_name, run_id).items()
+            DHTID.generate(source=key).to_bytes(): SCHEMAS[kind]
+            for kind, key in run_keys(run_name, run_id).items()
         }
 
     def validate(self, record: DHTRecord) -> bool:

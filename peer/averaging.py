@@ -33,9 +33,9 @@ from hivemind.compression import (
 )
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
 
 from peer.faults import fault_point
 
@@ -236,13 +236,17 @@ class ModuleAverager(DecentralizedAverager):
         self._matchmaking.potential_leaders.target_group_size = size
         future.set_result(None)
 
-    def download_state(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list[torch.Tensor]] | None:
+    def download_state(
+        self, peers: Sequence[str], timeout: float
+    ) -> tuple[str, Any, list[torch.Tensor]] | None:
         """Downloads this module's state from the first of `peers` (base58 ids) that answers with a
         state of the expected size; returns (peer, metadata, tensors) or None. The caller validates
         shapes and values. hivemind's own `load_state_from_peers` picks donors by priority; repairing a
         drifted copy needs a donor from the group's majority instead."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(peers=list(peers), timeout=timeout, future=future)))
+        self._outer_pipe.send(
+            ("_download_state", [], dict(peers=list(peers), timeout=timeout, future=future))
+        )
         return future.result(timeout=timeout * max(1, len(peers)) + 10)
 
     async def _download_state(self, peers: list[str], timeout: float, future: MPFuture) -> None:
@@ -250,7 +254,9 @@ class ModuleAverager(DecentralizedAverager):
         try:
             for peer in peers:
                 try:
-                    result = await asyncio.wait_for(self._download_from(PeerID.from_base58(peer), budget), timeout)
+                    result = await asyncio.wait_for(
+                        self._download_from(PeerID.from_base58(peer), budget), timeout
+                    )
                 except Exception as e:
                     logger.warning(f"state download from {peer} failed: {type(e).__name__}: {e}")
                     continue

@@ -24,7 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 def publish_claim(
-    dht: hivemind.DHT, key: RSAPrivateKey, run_name: str, run_id: str, claim: ClaimRecord, ttl: float = CLAIM_TTL_SECONDS
+    dht: hivemind.DHT,
+    key: RSAPrivateKey,
+    run_name: str,
+    run_id: str,
+    claim: ClaimRecord,
+    ttl: float = CLAIM_TTL_SECONDS,
 ) -> bool:
     return bool(
         dht.store(

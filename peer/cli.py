@@ -32,16 +32,22 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--initial_peers", nargs="*", default=s, help="multiaddrs of peers already in the swarm")
     p.add_argument("--host_maddrs", nargs="*", default=s, help="multiaddrs to listen on")
     p.add_argument("--announce_maddrs", nargs="*", default=s, help="multiaddrs to advertise to other peers")
-    p.add_argument("--identity_path", default=s, help="file with this peer's private key (created if missing)")
+    p.add_argument(
+        "--identity_path", default=s, help="file with this peer's private key (created if missing)"
+    )
 
 
 def _peer_parser(sub) -> None:
     s = argparse.SUPPRESS
     p = sub.add_parser("peer", help="join a run and train a path")
     _add_swarm_flags(p)
-    p.add_argument("--config", type=Path, default=None, help="TOML or JSON file of settings (flags override it)")
+    p.add_argument(
+        "--config", type=Path, default=None, help="TOML or JSON file of settings (flags override it)"
+    )
     p.add_argument("--client_mode", action="store_true", default=s, help="do not accept incoming connections")
-    p.add_argument("--new_swarm", action="store_true", default=s, help="start a new swarm (no --initial_peers)")
+    p.add_argument(
+        "--new_swarm", action="store_true", default=s, help="start a new swarm (no --initial_peers)"
+    )
     p.add_argument("--run", default=s, help="run NAME or NAME@HASH")
     p.add_argument("--manifest_path", default=s, help="signed manifest file to verify and publish")
     p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
@@ -49,6 +55,7 @@ def _peer_parser(sub) -> None:
     p.add_argument("--batch_size", type=int, default=s)
     p.add_argument("--inner_optimizer", choices=["adamw", "adamw8bit"], default=s)
     p.add_argument("--metrics_port", type=int, default=s, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics_host", default=s, help="address for /metrics (default 0.0.0.0)")
     p.add_argument("--checkpoint_dir", default=s)
     p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
     p.add_argument("--max_rounds", type=int, default=s, help="stop after this many outer rounds")
@@ -61,7 +68,9 @@ def _peer_parser(sub) -> None:
 def _bootstrap_parser(sub) -> None:
     p = sub.add_parser("bootstrap", help="run a DHT-only node that other peers use to join")
     _add_swarm_flags(p)
-    p.add_argument("--manifest_path", type=Path, default=None, help="also keep this signed run alive in the DHT")
+    p.add_argument(
+        "--manifest_path", type=Path, default=None, help="also keep this signed run alive in the DHT"
+    )
 
 
 def _run_parser(sub) -> None:
@@ -73,7 +82,9 @@ def _run_parser(sub) -> None:
     c.add_argument("--out", type=Path, required=True, help="where to write the signed manifest (JSON)")
     c.add_argument("--preset", default="tiny", help="model size preset (tiny, small, base, path-150m)")
     c.add_argument("--grid", default="2x2", help="LxK: levels x modules per level")
-    c.add_argument("--private_blocks", type=int, default=0, help="blocks per path kept private after the grid")
+    c.add_argument(
+        "--private_blocks", type=int, default=0, help="blocks per path kept private after the grid"
+    )
     c.add_argument("--dataset", default="builtin", choices=["builtin", "text", "json", "parquet", "hub"])
     c.add_argument("--data_files", nargs="*", default=[], help="local files or globs (text/json/parquet)")
     c.add_argument("--dataset_name", default=None, help="hub dataset name (streamed), for --dataset hub")
@@ -191,16 +202,28 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     levels, k = _parse_grid(args.grid)
     tok = load_tokenizer(args.tokenizer)
     model = model_config_from_preset(
-        args.preset, n_levels=levels, modules_per_level=k, private_blocks_per_path=args.private_blocks,
+        args.preset,
+        n_levels=levels,
+        modules_per_level=k,
+        private_blocks_per_path=args.private_blocks,
         vocab_size=tok.vocab_size,
     )
     dataset = DatasetSpec(
-        kind=args.dataset, data_files=args.data_files, name=args.dataset_name, text_field=args.text_field,
+        kind=args.dataset,
+        data_files=args.data_files,
+        name=args.dataset_name,
+        text_field=args.text_field,
         seed=args.seed,
     )
     manifest = build_manifest(
-        args.name, model, dataset, seed=args.seed, seq_len=args.seq_len, inner_steps=args.inner_steps,
-        sync=SyncConfig(codec=args.codec), tokenizer=args.tokenizer,
+        args.name,
+        model,
+        dataset,
+        seed=args.seed,
+        seq_len=args.seq_len,
+        inner_steps=args.inner_steps,
+        sync=SyncConfig(codec=args.codec),
+        tokenizer=args.tokenizer,
     )
     identity = getattr(args, "identity_path", None)
     key = load_identity(identity)
@@ -222,7 +245,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from peer.demo import run_demo
 
     _setup_logging()
-    return run_demo(args.peers, args.rounds, args.inner_steps, args.batch_size, args.out, args.timeout_seconds)
+    return run_demo(
+        args.peers, args.rounds, args.inner_steps, args.batch_size, args.out, args.timeout_seconds
+    )
 
 
 COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo}
@@ -236,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SwarmError, ValueError, ValidationError, OSError) as e:
         from peer.config import one_line
 
-        text = one_line(e) if isinstance(e, ValidationError) else str(e).splitlines()[0] if str(e) else repr(e)
+        text = (
+            one_line(e) if isinstance(e, ValidationError) else str(e).splitlines()[0] if str(e) else repr(e)
+        )
         print(f"pathswarm {args.command}: error: {text}", file=sys.stderr)
         return 2
 

@@ -88,7 +88,9 @@ class RunManifest(_Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> RunManifest:
         if self.seq_len + 1 > self.model.max_seq_len:
-            raise ValueError(f"seq_len + 1 = {self.seq_len + 1} exceeds model.max_seq_len = {self.model.max_seq_len}")
+            raise ValueError(
+                f"seq_len + 1 = {self.seq_len + 1} exceeds model.max_seq_len = {self.model.max_seq_len}"
+            )
         return self
 
     def canonical_json(self) -> str:

@@ -87,15 +87,29 @@ def run_demo(
             for name in names:
                 swarm.start_peer(
                     name,
-                    ["--run", run, "--max_rounds", str(rounds), "--batch_size", str(batch_size),
-                     "--checkpoint_dir", str(workdir / name), "--torch_threads", "1", "--heartbeat_seconds", "2"],
+                    [
+                        "--run",
+                        run,
+                        "--max_rounds",
+                        str(rounds),
+                        "--batch_size",
+                        str(batch_size),
+                        "--checkpoint_dir",
+                        str(workdir / name),
+                        "--torch_threads",
+                        "1",
+                        "--heartbeat_seconds",
+                        "2",
+                    ],
                 )
             deadline = started + timeout_seconds
             with tqdm(total=n_peers * rounds, desc="outer rounds (all peers)", unit="round") as bar:
                 done = 0
                 while any(swarm.alive(n) for n in names):
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"demo did not finish within {timeout_seconds:.0f}s (logs in {workdir})")
+                        raise TimeoutError(
+                            f"demo did not finish within {timeout_seconds:.0f}s (logs in {workdir})"
+                        )
                     claims = live_claims(watcher, RUN_NAME, record.run_id)
                     progress = sum(min(c.outer_round, rounds) for c in claims.values())
                     if progress > done:
@@ -164,7 +178,10 @@ def summarize(workdir: Path, codes: dict[str, int | None], rounds: int, seconds:
 
 def _print_table(s: dict) -> None:
     print()
-    print(f"{'peer':<8}{'path':<8}{'rounds':>7}{'steps':>7}{'loss first':>12}{'loss last':>11}{'bytes sent':>12}")
+    print(
+        f"{'peer':<8}{'path':<8}{'rounds':>7}{'steps':>7}"
+        f"{'loss first':>12}{'loss last':>11}{'bytes sent':>12}"
+    )
     for p in s["per_peer"]:
         print(
             f"{p['name']:<8}{str(tuple(p['path'])):<8}{p['rounds']:>7}{p['steps']:>7}"

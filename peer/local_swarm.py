@@ -56,7 +56,9 @@ class LocalSwarm:
                     self.initial_peers = line.split()[1:]
                     return self.initial_peers
             if proc.poll() is not None:
-                raise RuntimeError(f"bootstrap exited early: {self.log_path('bootstrap').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"bootstrap exited early: {self.log_path('bootstrap').read_text()[-2000:]}"
+                )
             time.sleep(0.2)
         raise TimeoutError("bootstrap did not print its address in time")
 
@@ -71,9 +73,14 @@ class LocalSwarm:
         return self.procs[name].poll() is None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL goes to the whole process group (children too); any other signal goes to the main
+        process only, as `docker stop` does, so the peer can shut its children down itself."""
         proc = self.procs[name]
         try:
-            os.killpg(proc.pid, sig)
+            if sig == signal.SIGKILL:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(proc.pid, sig)
         except ProcessLookupError:
             pass
 

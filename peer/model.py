@@ -134,7 +134,9 @@ def path_module_ids(cfg: ModelConfig, path: Path) -> list[str]:
 
 
 def all_module_ids(cfg: ModelConfig) -> list[str]:
-    ids = [TRUNK] + [grid_module_id(lv, k) for lv in range(cfg.n_levels) for k in range(cfg.modules_per_level)]
+    ids = [TRUNK] + [
+        grid_module_id(lv, k) for lv in range(cfg.n_levels) for k in range(cfg.modules_per_level)
+    ]
     if cfg.private_blocks_per_path:
         ids += [private_module_id(cfg, p) for p in all_paths(cfg)]
     return ids
@@ -162,7 +164,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -230,7 +234,9 @@ def build_module(cfg: ModelConfig, module_id: str, seed: int) -> nn.Module:
 class PathModel(nn.Module):
     """One path through the grid: the trunk, one module per level, and its private blocks."""
 
-    def __init__(self, cfg: ModelConfig, path: Path, seed: int = 0, modules: dict[str, nn.Module] | None = None):
+    def __init__(
+        self, cfg: ModelConfig, path: Path, seed: int = 0, modules: dict[str, nn.Module] | None = None
+    ):
         super().__init__()
         self.cfg = cfg
         self.path = tuple(path)
@@ -245,7 +251,9 @@ class PathModel(nn.Module):
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """Last hidden state (before the final norm), shape (batch, time, d_model)."""
         if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}"
+            )
         trunk: Trunk = self.parts[TRUNK]  # type: ignore[assignment]
         x = trunk.embed(tokens)
         for mid in self.module_ids[1:]:
@@ -261,7 +269,9 @@ class PathModel(nn.Module):
         targets = tokens[:, 1:].clone()
         if ignore_prefix:
             targets[:, : max(ignore_prefix - 1, 0)] = -100
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100
+        )
 
 
 class GridModel(nn.Module):
@@ -273,7 +283,9 @@ class GridModel(nn.Module):
         self.grid = nn.ModuleDict({mid: build_module(cfg, mid, seed) for mid in all_module_ids(cfg)})
 
     def path_model(self, path: Path) -> PathModel:
-        return PathModel(self.cfg, path, modules={mid: self.grid[mid] for mid in path_module_ids(self.cfg, path)})
+        return PathModel(
+            self.cfg, path, modules={mid: self.grid[mid] for mid in path_module_ids(self.cfg, path)}
+        )
 
 
 @dataclass(frozen=True)
@@ -300,7 +312,9 @@ def fragment_of(cfg: ModelConfig, module_id: str, name: str, n_fragments: int) -
     return block * n_fragments // n_blocks
 
 
-def parameter_map(cfg: ModelConfig, n_fragments: int = 1, module_ids: list[str] | None = None) -> list[ParamSlot]:
+def parameter_map(
+    cfg: ModelConfig, n_fragments: int = 1, module_ids: list[str] | None = None
+) -> list[ParamSlot]:
     """Every parameter of the given modules (default: the whole grid), each exactly once."""
     slots = []
     for mid in module_ids or all_module_ids(cfg):

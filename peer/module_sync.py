@@ -33,7 +33,10 @@ class ModuleSync:
             nn.Parameter(p.detach().float().cpu().clone(), requires_grad=False) for p in self.local_params
         ]
         self.outer = torch.optim.SGD(
-            self.global_params, lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov and outer.momentum > 0
+            self.global_params,
+            lr=outer.lr,
+            momentum=outer.momentum,
+            nesterov=outer.nesterov and outer.momentum > 0,
         )
         self.delta_scale = math.sqrt(paths_through) if outer.sqrt_paths_scaling else 1.0
         self.averager: ModuleAverager | None = None
@@ -48,7 +51,9 @@ class ModuleSync:
 
     @torch.no_grad()
     def outer_gradient(self) -> list[torch.Tensor]:
-        return [g - p.detach().float().cpu() for g, p in zip(self.global_params, self.local_params, strict=True)]
+        return [
+            g - p.detach().float().cpu() for g, p in zip(self.global_params, self.local_params, strict=True)
+        ]
 
     @torch.no_grad()
     def apply(self, delta: list[torch.Tensor]) -> None:
@@ -83,7 +88,9 @@ class ModuleSync:
     def load_state(self, metadata: object, tensors: list[torch.Tensor], max_abs: float = 1e6) -> None:
         """Loads a downloaded state after checking everything about it; raises StateRejected."""
         if not isinstance(metadata, dict) or metadata.get("module") != self.module_id:
-            raise StateRejected(f"state for {self.module_id}: metadata names another module ({metadata!r:.80})")
+            raise StateRejected(
+                f"state for {self.module_id}: metadata names another module ({metadata!r:.80})"
+            )
         n = len(self.global_params)
         if len(tensors) != 2 * n:
             raise StateRejected(f"state for {self.module_id}: {len(tensors)} tensors, expected {2 * n}")
@@ -102,7 +109,9 @@ class ModuleSync:
             g.copy_(t)
         for g, m in zip(self.global_params, tensors[n:], strict=True):
             self.outer.state[g]["momentum_buffer"] = m.clone()
-        self.outer_round = int(metadata.get("outer_round", 0)) if str(metadata.get("outer_round", 0)).isdigit() else 0
+        self.outer_round = (
+            int(metadata.get("outer_round", 0)) if str(metadata.get("outer_round", 0)).isdigit() else 0
+        )
         self.load_local_from_global()
 
     def named_state(self) -> dict[str, torch.Tensor]:

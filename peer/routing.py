@@ -267,7 +267,9 @@ def kmeans(
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """Rounds to 6 significant digits, the precision stored in the manifest's JSON, so the router
     is fitted with exactly the numbers every peer will read back."""
-    return torch.tensor([float(f"{v:.6g}") for v in t.reshape(-1).tolist()], dtype=torch.float64).reshape(t.shape)
+    return torch.tensor([float(f"{v:.6g}") for v in t.reshape(-1).tolist()], dtype=torch.float64).reshape(
+        t.shape
+    )
 
 
 def fit_router(

@@ -22,16 +22,23 @@ from dht.node import SwarmError, start_dht
 from dht.schema import ClaimRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
-from peer.averaging import RoundResult
+from peer.averaging import ModuleAverager, RoundResult
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.claims import choose_path, holders_by_module, live_claims, publish_claim, should_move
 from peer.config import PeerConfig, RunManifest
 from peer.data import PathBatches, load_documents
 from peer.faults import fault_point
 from peer.manifest import fetch_manifest, load_record, publish_record, verify_record
-from peer.model import PathModel, all_paths, parse_path, path_from_index, path_index, path_module_ids, stable_seed
+from peer.model import (
+    PathModel,
+    all_paths,
+    parse_path,
+    path_from_index,
+    path_index,
+    path_module_ids,
+    stable_seed,
+)
 from peer.module_sync import ModuleSync, StateRejected
-from peer.averaging import ModuleAverager
 from peer.run_setup import check_tokenizer, device_of, make_route
 
 logger = logging.getLogger(__name__)
@@ -114,9 +121,13 @@ class Peer:
             except ValueError as e:
                 raise SwarmError(f"manifest file {cfg.manifest_path} does not verify: {e}") from e
             if manifest.name != cfg.run_name:
-                raise SwarmError(f"manifest file {cfg.manifest_path} is for run {manifest.name!r}, not {cfg.run_name!r}")
+                raise SwarmError(
+                    f"manifest file {cfg.manifest_path} is for run {manifest.name!r}, not {cfg.run_name!r}"
+                )
             if pin and not record.run_id.startswith(pin):
-                raise SwarmError(f"manifest file {cfg.manifest_path} has hash {record.run_id[:12]}, not {pin}")
+                raise SwarmError(
+                    f"manifest file {cfg.manifest_path} has hash {record.run_id[:12]}, not {pin}"
+                )
             publish_record(self.dht, self.key, record)
             pin = record.run_id
         self.manifest, self.record = fetch_manifest(self.dht, cfg.run_name, pin)
@@ -158,24 +169,37 @@ class Peer:
                 logger.info(f"path {path_index(mcfg, self.path)} is doubled while {target} is free: moving")
                 self.path = path_from_index(mcfg, target)
                 self._publish_claim()
-        logger.info(f"training path {path_index(mcfg, self.path)} {self.path}: modules {path_module_ids(mcfg, self.path)}")
+        logger.info(
+            f"training path {path_index(mcfg, self.path)} {self.path}: "
+            f"modules {path_module_ids(mcfg, self.path)}"
+        )
 
     def _build_model(self) -> None:
         m = self.manifest
         self.model = PathModel(m.model, self.path, seed=m.seed).to(self.device)
         paths_through = {
-            mid: sum(mid in path_module_ids(m.model, p) for p in all_paths(m.model)) for mid in self.model.module_ids
+            mid: sum(mid in path_module_ids(m.model, p) for p in all_paths(m.model))
+            for mid in self.model.module_ids
         }
-        self.syncs = {mid: ModuleSync(mid, self.model.parts[mid], m.outer, paths_through[mid]) for mid in self.model.module_ids}
+        self.syncs = {
+            mid: ModuleSync(mid, self.model.parts[mid], m.outer, paths_through[mid])
+            for mid in self.model.module_ids
+        }
         params = list(self.model.parameters())
         betas = (m.inner.beta1, m.inner.beta2)
         if self.config.inner_optimizer == "adamw8bit":
             import bitsandbytes as bnb
 
-            self.inner = bnb.optim.AdamW8bit(params, lr=m.inner.lr, betas=betas, weight_decay=m.inner.weight_decay)
+            self.inner = bnb.optim.AdamW8bit(
+                params, lr=m.inner.lr, betas=betas, weight_decay=m.inner.weight_decay
+            )
         else:
-            self.inner = torch.optim.AdamW(params, lr=m.inner.lr, betas=betas, weight_decay=m.inner.weight_decay)
-        self.metrics = PeerMetrics(self.config.run, self.peer_id, str(path_index(m.model, self.path)), VERSION)
+            self.inner = torch.optim.AdamW(
+                params, lr=m.inner.lr, betas=betas, weight_decay=m.inner.weight_decay
+            )
+        self.metrics = PeerMetrics(
+            self.config.run, self.peer_id, str(path_index(m.model, self.path)), VERSION
+        )
 
     def _build_averagers(self) -> None:
         sync = self.manifest.sync
@@ -249,7 +273,9 @@ class Peer:
         m = self.manifest
         modules = path_module_ids(m.model, self.path)
         fingerprints = {
-            mid: ms.averager.checksum(ms.global_params) for mid, ms in self.syncs.items() if ms.averager is not None
+            mid: ms.averager.checksum(ms.global_params)
+            for mid, ms in self.syncs.items()
+            if ms.averager is not None
         }
         return ClaimRecord(
             peer_id=self.peer_id,
@@ -302,7 +328,9 @@ class Peer:
             with autocast:
                 loss = self.model.loss(batch)
             if not torch.isfinite(loss):
-                raise RuntimeError(f"loss became {loss.item()} at step {self.step}; stopping before it spreads")
+                raise RuntimeError(
+                    f"loss became {loss.item()} at step {self.step}; stopping before it spreads"
+                )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), m.inner.grad_clip_norm)
             self.inner.step()
@@ -347,7 +375,9 @@ class Peer:
         results: dict[str, RoundResult] = {}
         for mid, ms in self.syncs.items():
             if mid in controls:
-                results[mid] = ms.averager.finish_round(controls[mid], deltas[mid], sync.averaging_timeout_seconds + 10)
+                results[mid] = ms.averager.finish_round(
+                    controls[mid], deltas[mid], sync.averaging_timeout_seconds + 10
+                )
             else:
                 results[mid] = RoundResult("alone", deltas[mid], 1, 0.0, 0, 0, "no other holder")
         fault_point("outer.after_allreduce")
@@ -365,11 +395,18 @@ class Peer:
         summary = {mid: f"{r.outcome}/{r.group_size}" for mid, r in results.items()}
         logger.info(f"round {self.outer_round} step {self.step} loss {self.last_loss:.4f} {summary}")
         self.history.append(
-            dict(round=self.outer_round, step=self.step, outcomes=summary,
-                 loss=round_loss,
-                 bytes_sent=sum(r.bytes_sent for r in results.values()))
+            dict(
+                round=self.outer_round,
+                step=self.step,
+                outcomes=summary,
+                loss=round_loss,
+                bytes_sent=sum(r.bytes_sent for r in results.values()),
+            )
         )
-        if self.config.checkpoint_dir is not None and self.outer_round % self.config.checkpoint_every_rounds == 0:
+        if (
+            self.config.checkpoint_dir is not None
+            and self.outer_round % self.config.checkpoint_every_rounds == 0
+        ):
             self.checkpoint()
         self._publish_claim()
         return results
@@ -392,7 +429,9 @@ class Peer:
                 logger.warning(f"refused repair state: {e}")
                 self.metrics.bad_part("shape")
                 continue
-            logger.warning(f"{ms.module_id}: our copy had drifted from the group's majority; repaired from {donor}")
+            logger.warning(
+                f"{ms.module_id}: our copy had drifted from the group's majority; repaired from {donor}"
+            )
             return True
         logger.error(f"{ms.module_id}: could not repair a drifted copy; it will be retried next round")
         return False
@@ -408,9 +447,15 @@ class Peer:
         for name, p in self.model.named_parameters():
             tensors[f"local/{name}"] = p.detach()
         meta = dict(
-            step=self.step, run_id=self.run_id, run=self.config.run_name, path=list(self.path),
-            outer_round=self.outer_round, tokens_total=self.tokens_total, peer_id=self.peer_id,
-            loss=self.last_loss if math.isfinite(self.last_loss) else None, history=self.history[-200:],
+            step=self.step,
+            run_id=self.run_id,
+            run=self.config.run_name,
+            path=list(self.path),
+            outer_round=self.outer_round,
+            tokens_total=self.tokens_total,
+            peer_id=self.peer_id,
+            loss=self.last_loss if math.isfinite(self.last_loss) else None,
+            history=self.history[-200:],
         )
         path = save_checkpoint(Path(self.config.checkpoint_dir), tensors, meta)
         self._checkpointed_step = self.step

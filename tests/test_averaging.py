@@ -28,8 +28,17 @@ def averagers(dht_factory, n: int, codec="fp32", faulty: dict[int, str] | None =
                 os.environ["PATHSWARM_FAULTS"] = spec
             try:
                 made.append(
-                    ModuleAverager(SHAPES, dht, prefix="test_avg", codec=codec, start=True, target_group_size=n,
-                                   min_matchmaking_time=3.0, request_timeout=1.0, checksum_seed=7)
+                    ModuleAverager(
+                        SHAPES,
+                        dht,
+                        prefix="test_avg",
+                        codec=codec,
+                        start=True,
+                        target_group_size=n,
+                        min_matchmaking_time=3.0,
+                        request_timeout=1.0,
+                        checksum_seed=7,
+                    )
                 )
             finally:
                 os.environ.pop("PATHSWARM_FAULTS", None)
@@ -46,7 +55,9 @@ def run_round(avs, seed=0):
     controls = [a.start_round(d, w, 0, timeout=30) for a, d, w in zip(avs, deltas, weights, strict=True)]
     results = [a.finish_round(c, d, timeout=40) for a, c, d in zip(avs, controls, deltas, strict=True)]
     total = sum(weights)
-    expected = [sum(w * d[k] for w, d in zip(weights, deltas, strict=True)) / total for k in range(len(SHAPES))]
+    expected = [
+        sum(w * d[k] for w, d in zip(weights, deltas, strict=True)) / total for k in range(len(SHAPES))
+    ]
     return results, expected
 
 

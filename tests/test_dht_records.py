@@ -32,8 +32,9 @@ def test_claims_round_trip_and_forgery_refused(dht_factory):
 
     # B writes under A's owner subkey: its signature cannot verify against A's key.
     forged = claim("A", path=3).model_dump()
-    ok = b.store(claims_key(RUN, RUN_ID), subkey=owner_subkey(key_a), value=forged,
-                 expiration_time=get_dht_time() + 20)
+    ok = b.store(
+        claims_key(RUN, RUN_ID), subkey=owner_subkey(key_a), value=forged, expiration_time=get_dht_time() + 20
+    )
     assert not ok
     claims = live_claims(reader, RUN, RUN_ID)
     assert set(claims) == {"A"} and claims["A"].path == 1
@@ -80,7 +81,9 @@ def test_manifest_signature_and_tampering():
     key = RSAPrivateKey()
     record = sign_manifest(_manifest(), key)
     assert verify_record(record).run_id == record.run_id
-    tampered = record.model_copy(update={"manifest_json": record.manifest_json.replace('"seed":0', '"seed":1')})
+    tampered = record.model_copy(
+        update={"manifest_json": record.manifest_json.replace('"seed":0', '"seed":1')}
+    )
     with pytest.raises(ValueError, match="hash"):
         verify_record(tampered)
     # Consistent hash, but signed by someone else's key than the one it names.
@@ -100,8 +103,12 @@ def test_fetch_manifest_pins_and_refuses_forgeries(dht_factory):
 
     # A forged manifest (valid record shape, wrong hash) is ignored; a second real run makes it ambiguous.
     forged = good.model_copy(update={"manifest_json": good.manifest_json.replace('"seed":0', '"seed":7')})
-    b.store(manifest_key(RUN), subkey=owner_subkey(key_b), value=forged.model_dump(),
-            expiration_time=get_dht_time() + 60)
+    b.store(
+        manifest_key(RUN),
+        subkey=owner_subkey(key_b),
+        value=forged.model_dump(),
+        expiration_time=get_dht_time() + 60,
+    )
     assert fetch_manifest(b, RUN, timeout_seconds=2)[1].run_id == good.run_id
     second = sign_manifest(_manifest(5), key_b)
     assert publish_record(b, key_b, second)

@@ -1,0 +1,78 @@
+"""The command line fails fast, with one line, on input a user can fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from peer.config import ConfigError, load_peer_config
+
+# A syntactically valid peer id nobody listens for; port 9 (discard) on loopback refuses connections.
+DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWHfCtvv1gqbmabwi5t3oxoBJbyV2qjrUqV8SjegRnavq2"
+
+
+def run_cli(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, float]:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    return proc.returncode, proc.stderr, time.monotonic() - started
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error" in line.lower()]
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["peer", "--run", "demo", "--new_swarm", "--batch_size", "-3"], "batch_size"),
+        (["peer", "--run", "bad name!", "--new_swarm"], "run name"),
+        (["peer", "--run", "demo@xyz", "--new_swarm"], "hex"),
+        (["peer", "--run", "demo", "--device", "tpu", "--new_swarm"], "device"),
+        (["peer", "--run", "demo"], "--initial_peers"),
+        (["peer", "--run", "demo", "--new_swarm"], "--manifest_path"),
+        (["peer", "--run", "demo", "--initial_peers", "not-a-multiaddr"], "multiaddress"),
+    ],
+)
+def test_bad_flags_fail_with_one_line(args, fragment):
+    code, stderr, _ = run_cli(*args)
+    assert code == 2
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and fragment in lines[0], stderr
+
+
+def test_unreachable_bootstrap_fails_within_seconds():
+    code, stderr, seconds = run_cli(
+        "peer", "--run", "demo", "--initial_peers", DEAD_PEER, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"
+    )
+    assert code == 2
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and "bootstrap" in lines[0], stderr
+    assert seconds < 30
+
+
+def test_config_layers_file_env_cli(tmp_path, monkeypatch):
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text('run = "fromfile"\nbatch_size = 3\ninitial_peers = ["/ip4/1.2.3.4/tcp/1"]\n')
+    monkeypatch.setenv("PATHSWARM_BATCH_SIZE", "5")
+    monkeypatch.setenv("PATHSWARM_HOST_MADDRS", "/ip4/127.0.0.1/tcp/0 /ip6/::1/tcp/0")
+    config = load_peer_config({"run": "fromcli"}, cfg)
+    assert config.run == "fromcli" and config.batch_size == 5
+    assert config.host_maddrs == ["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"]
+    assert config.initial_peers == ["/ip4/1.2.3.4/tcp/1"]
+
+
+def test_malformed_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "peer.toml"
+    bad.write_text("run = [unterminated\n")
+    with pytest.raises(ConfigError) as err:
+        load_peer_config({}, bad)
+    assert "malformed" in str(err.value) and "\n" not in str(err.value)
+    code, stderr, _ = run_cli("peer", "--config", str(bad))
+    assert code == 2 and len(error_lines(stderr)) == 1
+    with pytest.raises(ConfigError, match="batch_size"):
+        load_peer_config({"run": "x", "batch_size": "many"})

@@ -1,0 +1,172 @@
+"""End-to-end swarms of real peer processes on loopback: joining late, crashing, resuming, leaving."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+from safetensors.torch import load_file
+
+from dht.node import start_dht
+from peer.checkpoint import list_checkpoints, load_latest_checkpoint
+from peer.claims import live_claims
+from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.data import DatasetSpec
+from peer.local_swarm import LocalSwarm
+from peer.manifest import save_record, sign_manifest
+from peer.model import ModelConfig
+from peer.run_setup import build_manifest
+
+RUN = "swarmtest"
+
+
+@pytest.fixture(scope="module")
+def manifest_file(tmp_path_factory) -> tuple[Path, str]:
+    manifest = build_manifest(
+        RUN,
+        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64),
+        DatasetSpec(kind="builtin", builtin_docs=400),
+        seq_len=32,
+        inner_steps=10,
+        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
+        sync=SyncConfig(matchmaking_time_seconds=3.0, averaging_timeout_seconds=10.0),
+        router_docs=200,
+    )
+    record = sign_manifest(manifest, RSAPrivateKey())
+    path = tmp_path_factory.mktemp("run") / "manifest.json"
+    save_record(record, path)
+    return path, record.run_id
+
+
+def peer_args(run_id: str, ckpt: Path, *extra: str) -> list[str]:
+    return [
+        "--run",
+        f"{RUN}@{run_id[:16]}",
+        "--checkpoint_dir",
+        str(ckpt),
+        "--torch_threads",
+        "1",
+        "--batch_size",
+        "4",
+        "--heartbeat_seconds",
+        "1",
+        *extra,
+    ]
+
+
+def wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    logs = ""
+    if swarm is not None:
+        logs = "\n".join(f"--- {n}\n" + swarm.log_path(n).read_text()[-1500:] for n in swarm.procs)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def rounds_in_log(log: str) -> list[str]:
+    return re.findall(r"round \d+ step \d+ loss [\d.]+ (\{.*\})", log)
+
+
+def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
+    path, run_id = manifest_file
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(path)])
+        watcher, _ = start_dht(
+            initial_peers=swarm.initial_peers, client_mode=True, run_name=RUN, run_id=run_id
+        )
+        try:
+            swarm.start_peer("a", peer_args(run_id, tmp_path / "a", "--path", "0", "--max_rounds", "1000"))
+
+            def a_round():
+                claims = live_claims(watcher, RUN, run_id)
+                return max((c.outer_round for c in claims.values()), default=0) >= 2
+
+            wait_for(a_round, 90, "peer a to finish two rounds", swarm)
+            swarm.start_peer("b", peer_args(run_id, tmp_path / "b", "--path", "0", "--max_steps", "30"))
+            assert swarm.wait("b", timeout=120) == 0, swarm.log_path("b").read_text()[-3000:]
+            swarm.kill("a", signal.SIGTERM)
+            assert swarm.wait("a", timeout=60) == 0
+        finally:
+            watcher.shutdown()
+        log_b = swarm.log_path("b").read_text()
+
+    downloaded = re.findall(r"(\w+): downloaded the global copy", log_b)
+    assert sorted(downloaded) == ["l0m0", "l1m0", "trunk"], log_b[-3000:]
+    rounds = rounds_in_log(log_b)
+    assert rounds and "averaged/2" in rounds[-1], rounds
+
+    # B's copy after its last round equals A's copy after the same module round.
+    tensors_b, meta_b = load_latest_checkpoint(tmp_path / "b")
+    by_round = {}
+    for info in list_checkpoints(tmp_path / "a"):
+        if info.complete:
+            by_round[info.manifest["meta"]["outer_round"]] = info.path
+    assert meta_b["outer_round"] in by_round, (meta_b["outer_round"], sorted(by_round))
+    tensors_a = load_file(str(by_round[meta_b["outer_round"]] / "tensors.safetensors"))
+    diffs = [float((tensors_a[k] - tensors_b[k]).abs().max()) for k in tensors_b if "/global/" in k]
+    assert diffs and max(diffs) < 1e-5
+
+
+def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):
+    path, run_id = manifest_file
+    ckpt = tmp_path / "ckpt"
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        args = ["--new_swarm", "--manifest_path", str(path), "--max_rounds", "5"]
+        # Killed while writing its second checkpoint (after round 2): round 1's must survive.
+        swarm.spawn(
+            "p",
+            ["peer", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *peer_args(run_id, ckpt), *args],
+            env={"PATHSWARM_FAULTS": "checkpoint.before_manifest@2=kill"},
+        )
+        assert swarm.wait("p", timeout=90) == -signal.SIGKILL
+        swarm.stop()
+        tensors, meta = load_latest_checkpoint(ckpt)
+        assert meta["outer_round"] == 1 and meta["step"] == 10
+
+        swarm.spawn(
+            "p2",
+            ["peer", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *peer_args(run_id, ckpt), *args, "--resume"],
+        )
+        assert swarm.wait("p2", timeout=90) == 0, swarm.log_path("p2").read_text()[-3000:]
+        log = swarm.log_path("p2").read_text()
+    assert "resumed from checkpoint at step 10, outer round 1" in log
+    tensors2, meta2 = load_latest_checkpoint(ckpt)
+    assert meta2["outer_round"] == 5 and meta2["step"] == 50
+    assert not torch.equal(tensors["trunk/global/tok_emb.weight"], tensors2["trunk/global/tok_emb.weight"])
+
+
+def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
+    path, run_id = manifest_file
+    ckpt = tmp_path / "ckpt"
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.spawn(
+            "p",
+            [
+                "peer",
+                "--host_maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                *peer_args(run_id, ckpt),
+                "--new_swarm",
+                "--manifest_path",
+                str(path),
+                "--max_rounds",
+                "1000",
+            ],
+        )
+        wait_for(lambda: list_checkpoints(ckpt), 90, "a first checkpoint", swarm)
+        swarm.kill("p", signal.SIGTERM)
+        started = time.monotonic()
+        assert swarm.wait("p", timeout=60) == 0
+        assert time.monotonic() - started < 30
+    tensors, meta = load_latest_checkpoint(ckpt)
+    assert meta["step"] >= 10
