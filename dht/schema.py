@@ -49,6 +49,11 @@ class ClaimRecord(Record):
     tokens_total: int = Field(0, ge=0)
     tokens_per_second: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     client_mode: bool = False
+    #: false while the peer is still starting or catching up: it claims its path, but holders do not
+    #: wait for it in their averaging groups yet
+    ready: bool = True
+    #: set in the last record a departing peer publishes, so holders stop waiting for it at once
+    leaving: bool = False
     #: per module: a few random projections of the global copy, to spot holders that drifted apart
     fingerprints: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
 

@@ -1,14 +1,18 @@
 """Averaging one module's outer gradient with the module's other holders, through hivemind.
 
-`ModuleAverager` is a hivemind `DecentralizedAverager` (matchmaking + butterfly all-reduce in its own
-process) over a module's outer-gradient buffers. It adds what pathswarm needs around hivemind:
+`ModuleAverager` is a hivemind `DecentralizedAverager` (DHT matchmaking + butterfly all-reduce in
+its own process) over one flat buffer: a module's outer gradient, or one fragment of it at a time.
+Around hivemind it adds:
 
-* byte counters of what actually went over the wire (read back by the main process for metrics);
-* state sharing of the module's global copy and outer momentum, so late joiners can download it;
-* `average_outer_gradient`, which also all-gathers a checksum of every member's input (weighted
-  random-sign projections) and checks the result against it. hivemind's reducer silently keeps a
-  peer's own values for parts it failed to receive (e.g. its 8-bit codecs under numpy >= 2.4); the
-  checksum turns such a partial average into a detected failure instead of silent drift.
+* `SymmetricAllReduceRunner` (peer/allreduce.py): validated parts, one identical average for every
+  holder, explicit counts of failed parts, bytes on the wire;
+* an end-to-end check: every member all-gathers a checksum of its input (random-sign projections)
+  and the result must agree with their weighted mean, so a partial average is reported, never
+  silently applied (hivemind keeps a peer's own values for parts it failed to average, e.g. under
+  its 8-bit codecs with numpy >= 2.4);
+* drift repair: members also gather a fingerprint of their global copy; a member outside the
+  majority downloads the state of a majority member after the round (`download_state`);
+* state sharing of the global copy and outer momentum for late joiners.
 """
 
 from __future__ import annotations
@@ -24,28 +28,19 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    deserialize_torch_tensor,
-)
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
-from peer.faults import fault_point
+from peer.allreduce import BAD_PART_REASONS, SymmetricAllReduceRunner
+from peer.codecs import make_codec
 
 logger = logging.getLogger(__name__)
 
-CODECS: dict[str, tuple[Callable[[], CompressionBase], float]] = {
-    # codec name -> (hivemind compression, relative rounding error of one element)
-    "fp32": (NoCompression, 1e-6),
-    "fp16": (Float16Compression, 1e-3),
-}
 N_CHECKSUM_PROJECTIONS = 2
 
 
@@ -55,12 +50,13 @@ class RoundResult:
     own when the group did not form or the average failed its checksum."""
 
     outcome: str  # "averaged" | "alone" | "partial" | "failed"
-    delta: list[torch.Tensor]
+    delta: torch.Tensor
     group_size: int
-    seconds: float
-    bytes_sent: int
-    bytes_received: int
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     detail: str = ""
+    bad_parts: dict[str, int] = field(default_factory=dict)
     #: set when this peer's global copy disagreed with the group's majority before the round: after
     #: applying the round, download the module's state from one of these peers; the value is the
     #: module round the donor's state has once it applied this round too
@@ -75,72 +71,26 @@ def fingerprints_match(a: Sequence[float], b: Sequence[float], rel: float = 1e-5
 
 
 def majority_of(members: dict[str, dict]) -> list[str]:
-    """Peers whose pre-round global copy agrees with the largest group of agreeing copies; ties go
-    to the group holding the smallest peer id, so every member computes the same answer."""
-    clusters: list[list[tuple[str, list[float]]]] = []
+    """Peers whose pre-round global copy agrees with the largest group of agreeing copies. Ties go
+    to the group that has synced the most rounds (the copy that went on while another holder was
+    away or joining), then to the smallest peer id: every member computes the same answer."""
+    clusters: list[list[tuple[str, list[float], int]]] = []
     for peer, meta in sorted(members.items()):
         fp = meta.get("fingerprint") if isinstance(meta, dict) else None
         if not isinstance(fp, list) or not fp or not all(isinstance(x, (int, float)) for x in fp):
             continue
+        rounds = meta.get("module_round", 0)
+        rounds = rounds if isinstance(rounds, int) else 0
         for cluster in clusters:
             if fingerprints_match(cluster[0][1], fp):
-                cluster.append((peer, fp))
+                cluster.append((peer, fp, rounds))
                 break
         else:
-            clusters.append([(peer, fp)])
+            clusters.append([(peer, fp, rounds)])
     if not clusters:
         return []
-    best = min(clusters, key=lambda c: (-len(c), min(p for p, _ in c)))
-    return [p for p, _ in best]
-
-
-class _CountingStub:
-    """Wraps a peer stub so the averaged parts a reducer returns are counted as received bytes."""
-
-    def __init__(self, stub: Any, counter: Any):
-        self._stub, self._counter = stub, counter
-
-    async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(inputs)
-
-        async def counted():
-            async for msg in stream:
-                with self._counter.get_lock():
-                    self._counter.value += msg.ByteSize()
-                yield msg
-
-        return counted()
-
-
-class CountingAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, counting the serialized bytes it sends and receives."""
-
-    def __init__(self, *args, sent_counter: Any, received_counter: Any, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._sent, self._received = sent_counter, received_counter
-
-    def _add(self, counter: Any, n: int) -> None:
-        with counter.get_lock():
-            counter.value += n
-
-    def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self._received)
-
-    async def _generate_input_for_peer(self, peer_index: int):
-        async for msg in super()._generate_input_for_peer(peer_index):
-            self._add(self._sent, msg.ByteSize())
-            yield msg
-
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        async def counted():
-            async for msg in stream:
-                self._add(self._received, msg.ByteSize())
-                fault_point("allreduce.reduce_part")
-                yield msg
-
-        async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
-            self._add(self._sent, reply.ByteSize())
-            yield reply
+    best = min(clusters, key=lambda c: (-len(c), -max(r for *_, r in c), min(p for p, *_ in c)))
+    return [p for p, *_ in best]
 
 
 class ModuleAverager(DecentralizedAverager):
@@ -148,43 +98,49 @@ class ModuleAverager(DecentralizedAverager):
 
     def __init__(
         self,
-        shapes: Sequence[torch.Size],
+        numel: int,
         dht,
         *,
         prefix: str,
         codec: str | CompressionBase = "fp32",
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]] | None = None,
         checksum_seed: int = 0,
+        max_part_norm: float = 0.0,
+        state_numel: int | None = None,
         **kwargs,
     ):
+        """Averages one flat fp32 buffer of `numel` numbers: a whole module, or its largest fragment
+        (fragments of a module sync at different steps, so they take turns in the same buffer)."""
         if isinstance(codec, CompressionBase):  # a hivemind codec given directly (tests, experiments)
             compression, self.codec_error = codec, 1e-2
-        elif codec in CODECS:
-            factory, self.codec_error = CODECS[codec]
-            compression = factory()
         else:
-            raise ValueError(f"unknown codec {codec!r}; choose one of {sorted(CODECS)}")
-        buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
-        self.shapes = [tuple(s) for s in shapes]
+            compression, self.codec_error = make_codec(codec)
+        self.numel = int(numel)
+        # numbers in the shared state (global copy + momentum); bounds what a donor may send us
+        self.state_numel = int(state_numel if state_numel is not None else 2 * numel)
         self._state_provider = state_provider
-        self._bytes_sent = mp.Value(ctypes.c_int64, 0)
-        self._bytes_received = mp.Value(ctypes.c_int64, 0)
+        self._max_part_norm = max_part_norm
+        self._counters = {
+            name: mp.Value(ctypes.c_int64, 0)
+            for name in ("sent", "received", "failed_numel", *(f"bad_{r}" for r in BAD_PART_REASONS))
+        }
         generator = torch.Generator().manual_seed(checksum_seed)
         # Random +-1 signs: a partial average changes these projections unless the parts coincide.
-        self._signs = [
-            torch.randint(
-                0,
-                2,
-                (N_CHECKSUM_PROJECTIONS, int(torch.Size(s).numel())),
-                generator=generator,
-                dtype=torch.int8,
-            )
+        self._signs = (
+            torch.randint(0, 2, (N_CHECKSUM_PROJECTIONS, self.numel), generator=generator, dtype=torch.int8)
             .mul_(2)
             .sub_(1)
-            for s in shapes
-        ]
+        )
+        # hivemind hands out whole parts to reducers: cut the buffer into ~16 parts so that every
+        # member of a group reduces a share (one 512 KiB default part would leave one reducer).
+        ratio = compression.estimate_compression_ratio(CompressionInfo.from_tensor(torch.zeros(1)))
+        wire_bytes = 4 * self.numel * ratio
+        kwargs.setdefault("part_size_bytes", int(min(512 * 1024, max(4096, wire_bytes / 16))))
+        # hivemind waits forever for a silent groupmate unless told otherwise
+        kwargs.setdefault("sender_timeout", 15.0)
+        kwargs.setdefault("reducer_timeout", 30.0)
         super().__init__(
-            buffers,
+            [torch.zeros(self.numel, dtype=torch.float32)],
             dht,
             prefix=prefix,
             compression=compression,
@@ -196,17 +152,17 @@ class ModuleAverager(DecentralizedAverager):
     # --- hivemind hooks -------------------------------------------------------------------------
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        # Same as hivemind's, but with a runner that counts bytes on the wire.
+        # hivemind's loop, with our runner (validated parts, one identical average, counters)
         group_id = group_info.group_id if group_id is None else group_id
-        runner = CountingAllReduceRunner(
+        runner = SymmetricAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            sent_counter=self._bytes_sent,
-            received_counter=self._bytes_received,
+            counters=self._counters,
+            max_part_norm=self._max_part_norm,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
@@ -250,7 +206,7 @@ class ModuleAverager(DecentralizedAverager):
         return future.result(timeout=timeout * max(1, len(peers)) + 10)
 
     async def _download_state(self, peers: list[str], timeout: float, future: MPFuture) -> None:
-        budget = 2 * sum(4 * int(torch.Size(s).numel()) for s in self.shapes) * 1.05 + (1 << 16)
+        budget = 4 * self.state_numel * 1.05 + (1 << 16)
         try:
             for peer in peers:
                 try:
@@ -283,88 +239,118 @@ class ModuleAverager(DecentralizedAverager):
             parts.append(message.tensor_part)
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        with self._bytes_received.get_lock():
-            self._bytes_received.value += received
+        with self._counters["received"].get_lock():
+            self._counters["received"].value += received
         return (metadata, tensors) if metadata is not None else None
 
     # --- used by the trainer --------------------------------------------------------------------
 
+    def counter(self, name: str) -> int:
+        return int(self._counters[name].value)
+
     @property
     def bytes_sent(self) -> int:
-        return int(self._bytes_sent.value)
+        return self.counter("sent")
 
     @property
     def bytes_received(self) -> int:
-        return int(self._bytes_received.value)
+        return self.counter("received")
 
-    def checksum(self, tensors: Sequence[torch.Tensor]) -> list[float]:
-        out = [0.0] * N_CHECKSUM_PROJECTIONS
-        for t, signs in zip(tensors, self._signs, strict=True):
-            flat = t.detach().reshape(-1).double()
-            for j in range(N_CHECKSUM_PROJECTIONS):
-                out[j] += float(flat @ signs[j].double())
-        return out
+    def bad_parts(self) -> dict[str, int]:
+        return {r: self.counter(f"bad_{r}") for r in BAD_PART_REASONS}
 
-    def fingerprint(self, tensors: Sequence[torch.Tensor]) -> list[float]:
+    def checksum(self, flat: torch.Tensor) -> list[float]:
+        """Random-sign projections of a flat vector (shorter vectors use the leading signs)."""
+        x = flat.detach().reshape(-1).double()
+        return [float(x @ self._signs[j, : x.numel()].double()) for j in range(N_CHECKSUM_PROJECTIONS)]
+
+    def fingerprint(self, flat: torch.Tensor) -> list[float]:
         """Checksum projections plus the L1 norm: equal copies agree to ~1e-7 of the norm."""
-        return self.checksum(tensors) + [float(sum(t.detach().double().abs().sum() for t in tensors))]
+        return self.checksum(flat) + [float(flat.detach().double().abs().sum())]
+
+    def set_fragment(self, fragment: int, n_fragments: int) -> None:
+        """Groups form per fragment: the fragment index becomes the hivemind group key's bits, so
+        holders that are out of phase never average fragment 1 with fragment 0."""
+        if n_fragments > 1:
+            bits = format(fragment, f"0{max(1, (n_fragments - 1).bit_length())}b")
+            self.set_group_bits(bits)
 
     def start_round(
         self,
-        delta: Sequence[torch.Tensor],
+        delta: torch.Tensor,
         weight: float,
         round_index: int,
         timeout: float,
         global_fingerprint: list[float] | None = None,
         module_round: int = 0,
+        fragment: int = 0,
     ):
-        """Writes this peer's outer gradient and starts averaging in the background. The gathered
-        metadata carries a checksum of Δ (to verify the average) and a fingerprint of the global copy
-        before the round (so members whose copy drifted can repair it from the majority)."""
-        with self.get_tensors() as buffers:
-            for buf, d in zip(buffers, delta, strict=True):
-                buf.copy_(d)
-        norm = float(torch.sqrt(sum((d.double() ** 2).sum() for d in delta)))
+        """Writes this peer's flat outer gradient and starts averaging it in the background. The
+        gathered metadata carries a checksum of Δ (to verify the average end to end) and a fingerprint
+        of the global copy before the round (so a member whose copy drifted can repair it)."""
+        delta = delta.detach().reshape(-1).float()
+        if delta.numel() > self.numel:
+            raise ValueError(f"outer gradient of {delta.numel()} numbers exceeds the buffer of {self.numel}")
+        with self.get_tensors() as (buffer,):
+            buffer.zero_()
+            buffer[: delta.numel()] = delta
         gather = dict(
             round=round_index,
+            fragment=fragment,
             weight=float(weight),
             checksum=self.checksum(delta),
-            norm=norm,
+            norm=float(delta.double().norm()),
             fingerprint=list(global_fingerprint or []),
             module_round=int(module_round),
         )
-        self._round_started = time.monotonic()
-        self._sent0, self._received0 = self.bytes_sent, self.bytes_received
+        self._round = dict(
+            started=time.monotonic(), n=delta.numel(), fragment=fragment, own=delta.clone(),
+            counters={name: self.counter(name) for name in self._counters},
+        )  # fmt: skip
         return self.step(weight=float(weight), gather=gather, timeout=timeout, wait=False, allow_retries=True)
 
-    def finish_round(self, control, delta: Sequence[torch.Tensor], timeout: float) -> RoundResult:
-        """Waits for the background average and checks it against the gathered checksums."""
-        own = [d.detach().clone() for d in delta]
+    def finish_round(self, control, timeout: float) -> RoundResult:
+        """Waits for the background average and checks it: no failed part, same fragment everywhere,
+        and the gathered checksums agree with the result."""
+        r = self._round
         try:
             gathered = control.result(timeout=timeout)
         except Exception as e:  # hivemind raises a zoo of errors on a failed group
             gathered, error = None, f"{type(e).__name__}: {e}"
         else:
             error = ""
-        seconds = time.monotonic() - self._round_started
-        sent, received = self.bytes_sent - self._sent0, self.bytes_received - self._received0
+        moved = {name: self.counter(name) - r["counters"][name] for name in self._counters}
+        result = dict(
+            seconds=time.monotonic() - r["started"],
+            bytes_sent=moved["sent"],
+            bytes_received=moved["received"],
+            bad_parts={k[4:]: v for k, v in moved.items() if k.startswith("bad_") and v},
+        )
+        own = r["own"]
         if not gathered:
             outcome = "failed" if error else "alone"
-            return RoundResult(outcome, own, 1, seconds, sent, received, error or "no other holder joined")
-        with self.get_tensors() as buffers:
-            averaged = [b.detach().clone() for b in buffers]
-        members = list(gathered.values())
-        problem = self._check_average(averaged, members)
+            return RoundResult(outcome, own, 1, detail=error or "no other holder joined", **result)
+        members = {str(pid): m for pid, m in gathered.items()}
+        size = len(members)
+        if moved["failed_numel"]:
+            detail = f"{moved['failed_numel']} of {self.numel} numbers were not averaged (a reducer failed)"
+            return RoundResult("partial", own, size, detail=detail, **result)
+        if any(not isinstance(m, dict) or m.get("fragment") != r["fragment"] for m in members.values()):
+            return RoundResult(
+                "failed", own, size, detail="group members synced different fragments", **result
+            )
+        with self.get_tensors() as (buffer,):
+            averaged = buffer[: r["n"]].clone()
+        problem = self._check_average(averaged, list(members.values()))
         if problem:
-            return RoundResult("partial", own, len(members), seconds, sent, received, problem)
-        majority = majority_of({str(pid): m for pid, m in gathered.items()})
+            return RoundResult("partial", own, size, detail=problem, **result)
+        majority = majority_of(members)
         repair = {}
         if majority and str(self.peer_id) not in majority:
-            by_peer = {str(pid): m for pid, m in gathered.items()}
-            repair = {p: int(by_peer[p].get("module_round", 0)) + 1 for p in majority}
-        return RoundResult("averaged", averaged, len(members), seconds, sent, received, repair_from=repair)
+            repair = {p: int(members[p].get("module_round", 0)) + 1 for p in majority}
+        return RoundResult("averaged", averaged, size, repair_from=repair, **result)
 
-    def _check_average(self, averaged: list[torch.Tensor], members: list[dict]) -> str:
+    def _check_average(self, averaged: torch.Tensor, members: list[dict]) -> str:
         try:
             weights = [float(m["weight"]) for m in members]
             sums = [[float(x) for x in m["checksum"]] for m in members]
@@ -372,14 +358,14 @@ class ModuleAverager(DecentralizedAverager):
         except (KeyError, TypeError, ValueError):
             return "a group member sent malformed checksum metadata"
         total = sum(weights)
-        if not total > 0:
-            return "group weights do not sum to a positive number"
+        if not total > 0 or not all(len(s) == N_CHECKSUM_PROJECTIONS for s in sums):
+            return "group weights or checksums are malformed"
         actual = self.checksum(averaged)
-        scale = max(norms) + 1e-12
+        # Each element carries a codec error of ~eps*|x| on the way in and again on the way back; a
+        # random-sign sum of such errors is ~eps*||x||, so a few eps*||x|| is generous.
+        tolerance = 6 * self.codec_error * (max(norms) + 1e-12) + 1e-9
         for j in range(N_CHECKSUM_PROJECTIONS):
             expected = sum(w * s[j] for w, s in zip(weights, sums, strict=True)) / total
-            # codec error per element ~ eps*|x|; a random-sign sum of n such errors ~ eps*||x||.
-            tolerance = 20 * self.codec_error * scale + 1e-9
             if abs(actual[j] - expected) > tolerance:
                 return (
                     f"averaged result fails its checksum (projection {j}: {actual[j]:.6g} vs expected "

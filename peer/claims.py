@@ -56,15 +56,20 @@ def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, Clai
             claim = ClaimRecord.model_validate(item.value)
         except ValidationError:
             continue
+        if claim.leaving:
+            continue
         previous = claims.get(claim.peer_id)
         if previous is None or claim.step >= previous.step:
             claims[claim.peer_id] = claim
     return claims
 
 
-def holders_by_module(claims: dict[str, ClaimRecord]) -> dict[str, list[str]]:
+def holders_by_module(claims: dict[str, ClaimRecord], ready_only: bool = True) -> dict[str, list[str]]:
+    """Peers holding each module; by default only those ready to average (see ClaimRecord.ready)."""
     holders: dict[str, list[str]] = {}
     for peer_id, claim in sorted(claims.items()):
+        if ready_only and not claim.ready:
+            continue
         for module in claim.modules:
             holders.setdefault(module, []).append(peer_id)
     return holders

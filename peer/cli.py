@@ -57,11 +57,13 @@ def _peer_parser(sub) -> None:
     p.add_argument("--metrics_port", type=int, default=s, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics_host", default=s, help="address for /metrics (default 0.0.0.0)")
     p.add_argument("--checkpoint_dir", default=s)
+    p.add_argument("--keep_checkpoints", type=int, default=s, help="complete checkpoints kept (default 2)")
     p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
     p.add_argument("--max_rounds", type=int, default=s, help="stop after this many outer rounds")
     p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
     p.add_argument("--torch_threads", type=int, default=s)
     p.add_argument("--heartbeat_seconds", type=float, default=s)
+    p.add_argument("--wait_for_peers", type=int, default=s, help="start training once N peers are ready")
     p.add_argument("--log_level", default=s)
 
 

@@ -51,15 +51,34 @@ class OuterOptimizerConfig(_Frozen):
 
 
 class SyncConfig(_Frozen):
-    """How holders of a module average their outer gradients."""
+    """How holders of a module average their outer gradients (Streaming DiLoCo when fragments > 1)."""
 
-    codec: Literal["fp32", "fp16"] = "fp32"
-    fragments: int = Field(1, ge=1, le=64)
+    codec: Literal["fp32", "fp16", "int8", "nf4", "e3m0"] = "fp32"
+    #: the hivemind compression slot the codec occupies (peer/codecs.py); filled in from the codec,
+    #: and a manifest whose slot differs from this version's is refused
+    codec_slot: str = ""
+    fragments: int = Field(1, ge=1, le=64, description="P: fragments per module, synced H/P steps apart")
+    overlap_steps: int = Field(0, ge=0, description="τ: inner steps an all-reduce may overlap")
+    mixing_alpha: float = Field(0.5, ge=0, le=1, description="α: weight of the local copy when merging")
     averaging_timeout_seconds: float = Field(60.0, gt=0)
     #: how long a peer waits for the other holders to join its group before averaging without them
     matchmaking_time_seconds: float = Field(15.0, gt=0)
     #: received outer gradients with a larger L2 norm per module are refused (0 = no bound)
     max_delta_norm: float = Field(1e4, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slot(cls, data: Any) -> Any:
+        from peer.codecs import codec_slot
+
+        if isinstance(data, dict):
+            codec = data.get("codec", "fp32")
+            slot = data.get("codec_slot") or ""
+            if codec in ("fp32", "fp16", "int8", "nf4", "e3m0"):
+                if slot and slot != codec_slot(codec):
+                    raise ValueError(f"codec {codec} uses slot {codec_slot(codec)} here, the run says {slot}")
+                data = {**data, "codec_slot": codec_slot(codec)}
+        return data
 
 
 class RunManifest(_Frozen):
@@ -122,10 +141,15 @@ class PeerConfig(BaseModel):
     metrics_host: str = "0.0.0.0"
     checkpoint_dir: Path | None = None
     checkpoint_every_rounds: int = Field(1, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
     resume: bool = False
     max_rounds: int | None = Field(None, ge=1)
     max_steps: int | None = Field(None, ge=1)
     heartbeat_seconds: float = Field(5.0, gt=0)
+    #: start training only once this many peers (this one included) are ready, e.g. for a run
+    #: whose peers start together; 0 = start at once
+    wait_for_peers: int = Field(0, ge=0)
+    wait_for_peers_timeout_seconds: float = Field(300.0, gt=0)
     torch_threads: int | None = Field(None, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

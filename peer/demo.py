@@ -100,6 +100,8 @@ def run_demo(
                         "1",
                         "--heartbeat_seconds",
                         "2",
+                        "--wait_for_peers",
+                        str(n_peers),
                     ],
                 )
             deadline = started + timeout_seconds

@@ -22,7 +22,7 @@ from dht.node import SwarmError, start_dht
 from dht.schema import ClaimRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
-from peer.averaging import ModuleAverager, RoundResult
+from peer.averaging import ModuleAverager
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.claims import choose_path, holders_by_module, live_claims, publish_claim, should_move
 from peer.config import PeerConfig, RunManifest
@@ -30,6 +30,7 @@ from peer.data import PathBatches, load_documents
 from peer.faults import fault_point
 from peer.manifest import fetch_manifest, load_record, publish_record, verify_record
 from peer.model import (
+    TRUNK,
     PathModel,
     all_paths,
     parse_path,
@@ -39,6 +40,7 @@ from peer.model import (
     stable_seed,
 )
 from peer.module_sync import ModuleSync, StateRejected
+from peer.outer import StreamingOuter
 from peer.run_setup import check_tokenizer, device_of, make_route
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class Peer:
         self.history: list[dict] = []
         self._round_losses: list[float] = []
         self._checkpointed_step = -1
+        self._round_bytes = 0
+        self._ready = False
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -108,8 +112,24 @@ class Peer:
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             logger.info(f"metrics on http://{cfg.metrics_host}:{port}/metrics")
+        self._ready = True
+        self._publish_claim()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat.start()
+        if cfg.wait_for_peers > 1:
+            self._wait_for_peers(cfg.wait_for_peers, cfg.wait_for_peers_timeout_seconds)
+
+    def _wait_for_peers(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.stop_requested.is_set():
+            ready = sum(c.ready for c in self._read_claims().values())
+            if ready >= n:
+                logger.info(f"{ready} peers are ready: starting")
+                return
+            if time.monotonic() > deadline:
+                logger.warning(f"only {ready} of {n} peers ready after {timeout:.0f}s: starting anyway")
+                return
+            time.sleep(0.5)
 
     def _join_run(self) -> None:
         cfg = self.config
@@ -182,7 +202,9 @@ class Peer:
             for mid in self.model.module_ids
         }
         self.syncs = {
-            mid: ModuleSync(mid, self.model.parts[mid], m.outer, paths_through[mid])
+            mid: ModuleSync(
+                m.model, mid, self.model.parts[mid], m.outer, m.sync.fragments, paths_through[mid]
+            )
             for mid in self.model.module_ids
         }
         params = list(self.model.parameters())
@@ -200,17 +222,20 @@ class Peer:
         self.metrics = PeerMetrics(
             self.config.run, self.peer_id, str(path_index(m.model, self.path)), VERSION
         )
+        self.outer = StreamingOuter(self.syncs, m, self.peer_id, self.metrics)
 
     def _build_averagers(self) -> None:
         sync = self.manifest.sync
         for mid, ms in self.syncs.items():
             ms.averager = ModuleAverager(
-                ms.shapes,
+                max(ms.fragment_size(f) for f in range(ms.n_fragments)),
                 self.dht,
                 prefix=averaging_prefix(self.config.run_name, self.run_id, mid),
                 codec=sync.codec,
                 state_provider=lambda ms=ms: (ms.state_metadata(), ms.state_tensors()),
                 checksum_seed=stable_seed(self.run_id, mid),
+                max_part_norm=sync.max_delta_norm,
+                state_numel=2 * ms.plan.numel,
                 start=True,
                 min_matchmaking_time=sync.matchmaking_time_seconds,
                 request_timeout=min(3.0, sync.matchmaking_time_seconds / 2),
@@ -226,7 +251,7 @@ class Peer:
         modules come from different peers rather than all from one."""
         self._claims = self._read_claims()
         others = {k: v for k, v in self._claims.items() if k != self.peer_id and not v.client_mode}
-        holders = holders_by_module(others)
+        holders = holders_by_module(others, ready_only=True)
         for mid, ms in self.syncs.items():
             claims = [others[p] for p in holders.get(mid, [])]
             best = max((c.outer_round for c in claims), default=0)
@@ -248,7 +273,7 @@ class Peer:
                 self.metrics.bad_part("shape")
                 continue
             logger.info(f"{mid}: downloaded the global copy (module round {ms.outer_round}) from {donor}")
-        self.outer_round = max([self.outer_round] + [c.outer_round for c in others.values()])
+        self.outer_round = max(self.outer_round, self.syncs[TRUNK].outer_round)
 
     def _start_data(self) -> None:
         m = self.manifest
@@ -269,13 +294,16 @@ class Peer:
         with self._dht_lock:
             return live_claims(self.dht, self.config.run_name, self.run_id)
 
-    def _claim_record(self) -> ClaimRecord:
+    def _claim_record(self, leaving: bool = False) -> ClaimRecord:
         m = self.manifest
         modules = path_module_ids(m.model, self.path)
+        # sum and L1 norm of each module's global copy: cheap, and enough to see holders disagree
         fingerprints = {
-            mid: ms.averager.checksum(ms.global_params)
+            mid: [
+                float(sum(g.sum() for g in ms.global_flats)),
+                float(sum(g.abs().sum() for g in ms.global_flats)),
+            ]
             for mid, ms in self.syncs.items()
-            if ms.averager is not None
         }
         return ClaimRecord(
             peer_id=self.peer_id,
@@ -287,11 +315,13 @@ class Peer:
             tokens_per_second=self.tokens_per_second,
             client_mode=self.config.client_mode,
             fingerprints=fingerprints,
+            ready=self._ready,
+            leaving=leaving,
         )
 
-    def _publish_claim(self) -> None:
+    def _publish_claim(self, leaving: bool = False) -> None:
         with self._dht_lock:
-            publish_claim(self.dht, self.key, self.config.run_name, self.run_id, self._claim_record())
+            publish_claim(self.dht, self.key, self.config.run_name, self.run_id, self._claim_record(leaving))
 
     def _heartbeat_loop(self) -> None:
         last_manifest = time.monotonic()
@@ -347,94 +377,45 @@ class Peer:
                 self.tokens_per_second = window_tokens / elapsed
                 window_started, window_tokens = time.monotonic(), 0
             self.metrics.observe_step(tokens, self.last_loss, self.tokens_per_second)
-            if self.step % m.inner_steps == 0:
-                self.outer_sync()
+            self._after_step()
+        for done in self.outer.drain(self.step):
+            self._fragment_done(done, holders_by_module(self._claims))
 
-    def outer_sync(self) -> dict[str, RoundResult]:
-        """One DiLoCo outer round for every module on the path."""
-        sync = self.manifest.sync
+    def _after_step(self) -> None:
+        holders = holders_by_module(self._claims)
+        for done in self.outer.after_step(self.step, self.tokens_total, holders):
+            self._fragment_done(done, holders)
+
+    def _fragment_done(self, done, holders: dict[str, list[str]]) -> None:
+        for mid in done.results:
+            self.metrics.set_holders(mid, len(set(holders.get(mid, [])) | {self.peer_id}))
+        self._round_bytes += done.bytes_sent
+        if done.fragment != 0:
+            return
+        # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps.
         round_loss = sum(self._round_losses) / max(1, len(self._round_losses))
         self._round_losses = []
-        holders = holders_by_module(self._claims)
-        weight = max(1, self.tokens_since_sync)
-        deltas = {mid: ms.outer_gradient() for mid, ms in self.syncs.items()}
-        fault_point("outer.before_allreduce")
-        controls = {}
-        for mid, ms in self.syncs.items():
-            n_holders = len(set(holders.get(mid, [])) | {self.peer_id})
-            if n_holders >= 2:
-                ms.averager.set_target_group_size(n_holders)
-                controls[mid] = ms.averager.start_round(
-                    deltas[mid],
-                    weight,
-                    self.outer_round,
-                    timeout=sync.averaging_timeout_seconds,
-                    global_fingerprint=ms.averager.fingerprint(ms.global_params),
-                    module_round=ms.outer_round,
-                )
-        results: dict[str, RoundResult] = {}
-        for mid, ms in self.syncs.items():
-            if mid in controls:
-                results[mid] = ms.averager.finish_round(
-                    controls[mid], deltas[mid], sync.averaging_timeout_seconds + 10
-                )
-            else:
-                results[mid] = RoundResult("alone", deltas[mid], 1, 0.0, 0, 0, "no other holder")
-        fault_point("outer.after_allreduce")
-        for mid, ms in self.syncs.items():
-            ms.apply(results[mid].delta)
-            r = results[mid]
-            if r.repair_from:
-                self._repair(ms, r.repair_from)
-            self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
-            self.metrics.set_holders(mid, len(set(holders.get(mid, [])) | {self.peer_id}))
-            if r.outcome != "averaged" and n_other_holders(holders, mid, self.peer_id):
-                logger.warning(f"round {self.outer_round} {mid}: went on alone ({r.outcome}: {r.detail})")
-        self.outer_round += 1
-        self.tokens_since_sync = 0
-        summary = {mid: f"{r.outcome}/{r.group_size}" for mid, r in results.items()}
-        logger.info(f"round {self.outer_round} step {self.step} loss {self.last_loss:.4f} {summary}")
+        # The trunk is on every path, so its sync count is the swarm's clock: a peer that synced
+        # alone while the others were starting is set back in step when it repairs its copy.
+        self.outer_round = self.syncs[TRUNK].outer_round
+        summary = done.summary()
+        logger.info(f"round {self.outer_round} step {self.step} loss {round_loss:.4f} {summary}")
         self.history.append(
             dict(
                 round=self.outer_round,
                 step=self.step,
-                outcomes=summary,
                 loss=round_loss,
-                bytes_sent=sum(r.bytes_sent for r in results.values()),
+                outcomes=summary,
+                bytes_sent=self._round_bytes,
             )
         )
+        self._round_bytes = 0
         if (
             self.config.checkpoint_dir is not None
             and self.outer_round % self.config.checkpoint_every_rounds == 0
         ):
             self.checkpoint()
         self._publish_claim()
-        return results
-
-    def _repair(self, ms: ModuleSync, donors: dict[str, int], attempts: int = 10) -> bool:
-        """Our copy of a module disagreed with the group's majority: replace it with a majority
-        member's state once that member has applied this round as well."""
-        timeout = self.manifest.sync.averaging_timeout_seconds
-        for attempt in range(attempts):
-            got = ms.averager.download_state(list(donors), timeout=timeout)
-            if got is None:
-                continue
-            donor, metadata, tensors = got
-            if isinstance(metadata, dict) and int(metadata.get("outer_round", -1)) < donors[donor]:
-                time.sleep(0.2 * (attempt + 1))  # the donor has not applied this round yet
-                continue
-            try:
-                ms.load_state(metadata, tensors)
-            except StateRejected as e:
-                logger.warning(f"refused repair state: {e}")
-                self.metrics.bad_part("shape")
-                continue
-            logger.warning(
-                f"{ms.module_id}: our copy had drifted from the group's majority; repaired from {donor}"
-            )
-            return True
-        logger.error(f"{ms.module_id}: could not repair a drifted copy; it will be retried next round")
-        return False
 
     # --- checkpoints and shutdown ---------------------------------------------------------------
 
@@ -457,7 +438,9 @@ class Peer:
             loss=self.last_loss if math.isfinite(self.last_loss) else None,
             history=self.history[-200:],
         )
-        path = save_checkpoint(Path(self.config.checkpoint_dir), tensors, meta)
+        path = save_checkpoint(
+            Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
+        )
         self._checkpointed_step = self.step
         return path
 
@@ -467,8 +450,10 @@ class Peer:
         self.outer_round = int(meta["outer_round"])
         self.tokens_total = int(meta.get("tokens_total", 0))
         self.history = list(meta.get("history", []))
-        for ms in self.syncs.values():
-            ms.load_named_state(tensors, self.outer_round)
+        rounds = meta.get("fragment_rounds", {})
+        for mid, ms in self.syncs.items():
+            ms.load_named_state(tensors, rounds.get(mid, [self.outer_round] * ms.n_fragments))
+        self.outer.reset_tokens(self.tokens_total)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors[f"local/{name}"].to(p.dtype))
@@ -486,6 +471,11 @@ class Peer:
             logger.error(f"final checkpoint failed: {e}")
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=10)
+        if self.dht is not None and self.run_id and self.syncs:
+            try:
+                self._publish_claim(leaving=True)
+            except Exception as e:
+                logger.debug(f"could not announce leaving: {e}")
         for ms in self.syncs.values():
             if ms.averager is not None:
                 try:
