@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
@@ -214,29 +214,9 @@ def _detached_cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch
 
 
 def _write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor]) -> None:
-    """Stream ``tensors`` to ``f`` in the safetensors format, without building the file in memory."""
-    # Like safetensors itself: widest dtypes first, so with the 8-byte-aligned header every tensor
-    # starts at a multiple of its element size and can be memory-mapped in place.
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    f.write(struct.pack("<Q", len(head)))
-    f.write(head)
-    for name in order:
-        t = tensors[name]
-        if t.numel():
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    """Writes ``tensors`` to ``f`` in the safetensors format (through the safetensors library; the
+    serialized bytes are built in memory once, which a checkpoint of one path's modules affords)."""
+    f.write(safetensors.torch.save(tensors, metadata={"format": "pt"}))
 
 
 class _HashingWriter:

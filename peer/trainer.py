@@ -77,8 +77,10 @@ class Peer:
         self.history: list[dict] = []
         self._round_losses: list[float] = []
         self._checkpointed_step = -1
-        self._round_bytes = 0
+        self._round_bytes = self._round_peak_bytes = 0
         self._ready = False
+        self._train_seconds_before = 0.0  # from a resumed checkpoint
+        self._train_clock: float | None = None
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -346,6 +348,7 @@ class Peer:
         )
         self.model.train()
         window_started, window_tokens = time.monotonic(), 0
+        self._train_clock = time.monotonic()
         while not self.stop_requested.is_set():
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 break
@@ -381,6 +384,12 @@ class Peer:
         for done in self.outer.drain(self.step):
             self._fragment_done(done, holders_by_module(self._claims))
 
+    @property
+    def train_seconds(self) -> float:
+        """Wall time spent in the training loop, waits on averaging included."""
+        running = time.monotonic() - self._train_clock if self._train_clock is not None else 0.0
+        return self._train_seconds_before + running
+
     def _after_step(self) -> None:
         holders = holders_by_module(self._claims)
         for done in self.outer.after_step(self.step, self.tokens_total, holders):
@@ -390,6 +399,7 @@ class Peer:
         for mid in done.results:
             self.metrics.set_holders(mid, len(set(holders.get(mid, [])) | {self.peer_id}))
         self._round_bytes += done.bytes_sent
+        self._round_peak_bytes = max(self._round_peak_bytes, done.bytes_sent)
         if done.fragment != 0:
             return
         # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps.
@@ -407,9 +417,14 @@ class Peer:
                 loss=round_loss,
                 outcomes=summary,
                 bytes_sent=self._round_bytes,
+                # the most this peer put on the wire for one sync event (a fragment, or everything)
+                peak_sync_bytes=self._round_peak_bytes,
+                tokens_total=self.tokens_total,
+                time=time.time(),
+                train_seconds=self.train_seconds,
             )
         )
-        self._round_bytes = 0
+        self._round_bytes = self._round_peak_bytes = 0
         if (
             self.config.checkpoint_dir is not None
             and self.outer_round % self.config.checkpoint_every_rounds == 0
