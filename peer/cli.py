@@ -1,4 +1,4 @@
-"""The `pathswarm` command line: peer, bootstrap, run create, demo.
+"""The `pathswarm` command line: peer, bootstrap, run create, demo, schedule.
 
 Every subcommand is thin: parse, build, run, shut down in `finally`. Errors a user can fix are one
 line on stderr and exit status 2; SIGTERM and Ctrl-C let a peer finish its step and checkpoint.
@@ -94,7 +94,11 @@ def _run_parser(sub) -> None:
     c.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json file")
     c.add_argument("--seq_len", type=int, default=64)
     c.add_argument("--inner_steps", type=int, default=50, help="H: inner steps per outer round")
-    c.add_argument("--codec", default="fp32", choices=["fp32", "fp16"])
+    c.add_argument("--codec", default="fp32", choices=["fp32", "fp16", "int8", "nf4", "e3m0"])
+    c.add_argument("--fragments", type=int, default=1, help="P: fragments per module (Streaming DiLoCo)")
+    c.add_argument("--overlap_steps", type=int, default=0, help="τ: inner steps a fragment sync may overlap")
+    c.add_argument("--mixing_alpha", type=float, default=0.5, help="α: local weight when merging after τ > 0")
+    c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset's blocks per module")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no_publish", action="store_true", help="only write the file")
 
@@ -109,14 +113,18 @@ def _demo_parser(sub) -> None:
     p.add_argument("--timeout_seconds", type=float, default=600)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    from peer import cli_schedule
+
     parser = argparse.ArgumentParser(prog="pathswarm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _peer_parser(sub)
     _bootstrap_parser(sub)
     _run_parser(sub)
     _demo_parser(sub)
-    return parser
+    commands = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "run": cmd_run_create}
+    commands.update(cli_schedule.register(sub))
+    return parser, commands
 
 
 def _install_sigterm(stop) -> None:
@@ -209,6 +217,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         modules_per_level=k,
         private_blocks_per_path=args.private_blocks,
         vocab_size=tok.vocab_size,
+        **({"blocks_per_module": args.blocks_per_module} if args.blocks_per_module else {}),
     )
     dataset = DatasetSpec(
         kind=args.dataset,
@@ -224,7 +233,12 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         seed=args.seed,
         seq_len=args.seq_len,
         inner_steps=args.inner_steps,
-        sync=SyncConfig(codec=args.codec),
+        sync=SyncConfig(
+            codec=args.codec,
+            fragments=args.fragments,
+            overlap_steps=args.overlap_steps,
+            mixing_alpha=args.mixing_alpha,
+        ),
         tokenizer=args.tokenizer,
     )
     identity = getattr(args, "identity_path", None)
@@ -252,12 +266,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo}
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    command = cmd_run_create if args.command == "run" else COMMANDS[args.command]
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    command = commands[args.command]
     try:
         return command(args)
     except (SwarmError, ValueError, ValidationError, OSError) as e:
