@@ -14,6 +14,8 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 #: Claims and peer info are renewed by heartbeat; a departed peer disappears after this long.
 CLAIM_TTL_SECONDS = 30.0
+#: Probe results (compute, memory, links) are re-measured every few minutes.
+PROBE_TTL_SECONDS = 300.0
 #: Every peer holding a verified manifest re-publishes it this often, with this TTL.
 MANIFEST_TTL_SECONDS = 300.0
 #: No record may claim to live longer than this (a forged far-future expiry is refused).
@@ -43,6 +45,12 @@ def claims_key(run_name: str, run_id: str) -> str:
     return f"{run_namespace(run_name, run_id)}_claims"
 
 
+def probes_key(run_name: str, run_id: str) -> str:
+    """Measured tokens/s, free memory and links to a sample of peers: one record per peer under its
+    owner subkey, re-published each probe cycle; TTL PROBE_TTL_SECONDS. Read by the scheduler."""
+    return f"{run_namespace(run_name, run_id)}_probes"
+
+
 def averaging_prefix(run_name: str, run_id: str, module_id: str, fragment: int = 0) -> str:
     """hivemind matchmaking prefix for the holders of one module fragment (hivemind writes the
     group records under it, with its own short expirations)."""
@@ -54,4 +62,5 @@ def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
     keys = {"manifest": manifest_key(run_name)}
     if run_id is not None:
         keys["claim"] = claims_key(run_name, run_id)
+        keys["probe"] = probes_key(run_name, run_id)
     return keys

@@ -66,4 +66,23 @@ class ClaimRecord(Record):
         return v
 
 
-SCHEMAS: dict[str, type[Record]] = {"manifest": ManifestRecord, "claim": ClaimRecord}
+class ProbeRecord(Record):
+    """What one peer measured: its compute and memory, and links to a bounded sample of peers."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    tokens_per_second: float = Field(gt=0, allow_inf_nan=False)
+    memory_bytes: int = Field(ge=0)
+    #: other peer id -> [one-way latency in seconds, bandwidth in bytes per second]
+    links: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
+    injected: bool = False
+
+    @field_validator("links")
+    @classmethod
+    def _links(cls, v: dict[str, list[float]]) -> dict[str, list[float]]:
+        for peer, pair in v.items():
+            if len(peer) > 128 or len(pair) != 2 or not (0 <= pair[0] < 60 and 0 < pair[1] < 1e13):
+                raise ValueError(f"bad link measurement {peer!r}: {pair!r}")
+        return v
+
+
+SCHEMAS: dict[str, type[Record]] = {"manifest": ManifestRecord, "claim": ClaimRecord, "probe": ProbeRecord}

@@ -57,6 +57,8 @@ class RoundResult:
     bytes_received: int = 0
     detail: str = ""
     bad_parts: dict[str, int] = field(default_factory=dict)
+    #: peer ids of the group that averaged (empty when this peer went on alone)
+    members: list[str] = field(default_factory=list)
     #: set when this peer's global copy disagreed with the group's majority before the round: after
     #: applying the round, download the module's state from one of these peers; the value is the
     #: module round the donor's state has once it applied this round too
@@ -268,12 +270,18 @@ class ModuleAverager(DecentralizedAverager):
         """Checksum projections plus the L1 norm: equal copies agree to ~1e-7 of the norm."""
         return self.checksum(flat) + [float(flat.detach().double().abs().sum())]
 
-    def set_fragment(self, fragment: int, n_fragments: int) -> None:
-        """Groups form per fragment: the fragment index becomes the hivemind group key's bits, so
-        holders that are out of phase never average fragment 1 with fragment 0."""
-        if n_fragments > 1:
-            bits = format(fragment, f"0{max(1, (n_fragments - 1).bit_length())}b")
+    def set_group(self, fragment: int, n_fragments: int, subgroup: int | None = None) -> None:
+        """Groups form per fragment, and per planned subgroup when a module has many holders: both
+        go into hivemind's group key bits, so holders out of phase never average fragment 1 with
+        fragment 0, and subgroups of one module never merge."""
+        bits = format(fragment, f"0{max(1, (n_fragments - 1).bit_length())}b") if n_fragments > 1 else ""
+        if subgroup is not None:
+            bits += format(subgroup % 256, "08b")
+        # Set every round: after each all-reduce hivemind rotates non-empty group bits itself
+        # (Moshpit-style), which would scramble fragments and planned subgroups.
+        if bits or getattr(self, "_group_bits", ""):
             self.set_group_bits(bits)
+        self._group_bits = bits
 
     def start_round(
         self,
@@ -332,6 +340,7 @@ class ModuleAverager(DecentralizedAverager):
             return RoundResult(outcome, own, 1, detail=error or "no other holder joined", **result)
         members = {str(pid): m for pid, m in gathered.items()}
         size = len(members)
+        result["members"] = sorted(members)
         if moved["failed_numel"]:
             detail = f"{moved['failed_numel']} of {self.numel} numbers were not averaged (a reducer failed)"
             return RoundResult("partial", own, size, detail=detail, **result)

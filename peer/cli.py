@@ -63,6 +63,7 @@ def _peer_parser(sub) -> None:
     p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
     p.add_argument("--torch_threads", type=int, default=s)
     p.add_argument("--heartbeat_seconds", type=float, default=s)
+    p.add_argument("--probe_file", default=s, help="JSON of injected probe values (tests, benchmarks)")
     p.add_argument("--wait_for_peers", type=int, default=s, help="start training once N peers are ready")
     p.add_argument("--log_level", default=s)
 
@@ -98,7 +99,7 @@ def _run_parser(sub) -> None:
     c.add_argument("--fragments", type=int, default=1, help="P: fragments per module (Streaming DiLoCo)")
     c.add_argument("--overlap_steps", type=int, default=0, help="τ: inner steps a fragment sync may overlap")
     c.add_argument("--mixing_alpha", type=float, default=0.5, help="α: local weight when merging after τ > 0")
-    c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset's blocks per module")
+    c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no_publish", action="store_true", help="only write the file")
 

@@ -65,6 +65,9 @@ class SyncConfig(_Frozen):
     matchmaking_time_seconds: float = Field(15.0, gt=0)
     #: received outer gradients with a larger L2 norm per module are refused (0 = no bound)
     max_delta_norm: float = Field(1e4, ge=0)
+    #: a module with more holders than this averages in rotating subgroups of well-connected peers
+    #: (peer/scheduler/groups.py); 0 = one group of all holders
+    max_group_size: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +84,19 @@ class SyncConfig(_Frozen):
         return data
 
 
+class SchedulerConfig(_Frozen):
+    """Heterogeneity-aware placement (Yuan et al. 2022): who trains which path."""
+
+    #: "planned": the cost-model plan over measured probes picks a joining peer's path;
+    #: "least_covered": the least-covered path, ties broken by a hash of the peer id
+    mode: Literal["planned", "least_covered"] = "planned"
+    #: a fresh plan replaces the current claims only if it is at least this much (relative) faster
+    replan_min_gain: float = Field(0.1, ge=0)
+    #: peers each peer measures links to per probe cycle
+    max_links: int = Field(8, ge=0, le=64)
+    probe_every_seconds: float = Field(300.0, gt=0)
+
+
 class RunManifest(_Frozen):
     """Everything that must be identical on every peer of a run. Its sha256 is the run id."""
 
@@ -93,6 +109,7 @@ class RunManifest(_Frozen):
     inner: InnerOptimizerConfig = InnerOptimizerConfig()
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     sync: SyncConfig = SyncConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     dataset: DatasetSpec = DatasetSpec()
     tokenizer: str = "bytes"
     tokenizer_fingerprint: str = ""
@@ -150,6 +167,8 @@ class PeerConfig(BaseModel):
     #: whose peers start together; 0 = start at once
     wait_for_peers: int = Field(0, ge=0)
     wait_for_peers_timeout_seconds: float = Field(300.0, gt=0)
+    #: inject measured values (tests, benchmarks): see peer/probes.py load_probe_file
+    probe_file: Path | None = None
     torch_threads: int | None = Field(None, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 

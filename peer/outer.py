@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from monitoring.metrics import PeerMetrics
@@ -51,9 +52,19 @@ class FragmentDone:
 
 class StreamingOuter:
     def __init__(
-        self, syncs: dict[str, ModuleSync], manifest: RunManifest, peer_id: str, metrics: PeerMetrics
+        self,
+        syncs: dict[str, ModuleSync],
+        manifest: RunManifest,
+        peer_id: str,
+        metrics: PeerMetrics,
+        group_of: Callable[[str, int], tuple[int, list[str]] | None] | None = None,
+        round_of: Callable[[], int] | None = None,
     ):
+        """`group_of(module, round)` gives this peer's planned subgroup of the module's holders
+        (None: all holders average together); `round_of()` the swarm's round, which rotates them."""
         self.syncs = syncs
+        self.group_of = group_of
+        self.round_of = round_of
         self.sync = manifest.sync
         self.inner_steps = manifest.inner_steps
         self.peer_id = peer_id
@@ -87,10 +98,13 @@ class StreamingOuter:
                 continue
             delta = ms.outer_gradient(fragment)
             n_holders = len(set(holders.get(mid, [])) | {self.peer_id})
+            group = self.group_of(mid, self.round_of()) if self.group_of and self.round_of else None
+            if group is not None:
+                n_holders = len(group[1])
             if n_holders < 2 or ms.averager is None:
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
-            ms.averager.set_fragment(fragment, self.sync.fragments)
+            ms.averager.set_group(fragment, self.sync.fragments, None if group is None else group[0])
             ms.averager.set_target_group_size(n_holders)
             pending.controls[mid] = ms.averager.start_round(
                 delta,

@@ -19,7 +19,7 @@ import torch
 
 from dht.keys import CLAIM_TTL_SECONDS, averaging_prefix
 from dht.node import SwarmError, start_dht
-from dht.schema import ClaimRecord
+from dht.schema import ClaimRecord, ProbeRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer.averaging import ModuleAverager
@@ -41,6 +41,16 @@ from peer.model import (
 )
 from peer.module_sync import ModuleSync, StateRejected
 from peer.outer import StreamingOuter
+from peer.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
+from peer.probes import (
+    ProbeService,
+    free_memory_bytes,
+    live_probes,
+    load_probe_file,
+    measure_tokens_per_second,
+    publish_probe,
+    sample_peers,
+)
 from peer.run_setup import check_tokenizer, device_of, make_route
 
 logger = logging.getLogger(__name__)
@@ -79,6 +89,10 @@ class Peer:
         self._checkpointed_step = -1
         self._round_bytes = self._round_peak_bytes = 0
         self._ready = False
+        self._probe_service: ProbeService | None = None
+        self._probe_record: ProbeRecord | None = None
+        self._probes: dict[str, ProbeRecord] = {}
+        self._snapshot = None
         self._train_seconds_before = 0.0  # from a resumed checkpoint
         self._train_clock: float | None = None
 
@@ -103,6 +117,11 @@ class Peer:
         self._join_run()
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         self.tokenizer = check_tokenizer(self.manifest)
+        self._path_parameters = path_parameters(self.manifest)
+        if cfg.probe_file is None:
+            self._probe_service = ProbeService(self.dht)
+        self._claims = self._read_claims()
+        self._probe(cycle=0)
         resumed = self._load_checkpoint() if cfg.resume else None
         self._claim_path(resumed)
         self._build_model()
@@ -116,20 +135,23 @@ class Peer:
             logger.info(f"metrics on http://{cfg.metrics_host}:{port}/metrics")
         self._ready = True
         self._publish_claim()
+        if self.manifest.sync.max_group_size:
+            self._snapshot = self._build_snapshot()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat.start()
         if cfg.wait_for_peers > 1:
-            self._wait_for_peers(cfg.wait_for_peers, cfg.wait_for_peers_timeout_seconds)
+            self._wait_for_peers(cfg.wait_for_peers, cfg.wait_for_peers_timeout_seconds, ready_only=True)
 
-    def _wait_for_peers(self, n: int, timeout: float) -> None:
+    def _wait_for_peers(self, n: int, timeout: float, ready_only: bool) -> None:
+        what = "ready" if ready_only else "claimed a path"
         deadline = time.monotonic() + timeout
         while not self.stop_requested.is_set():
-            ready = sum(c.ready for c in self._read_claims().values())
-            if ready >= n:
-                logger.info(f"{ready} peers are ready: starting")
+            count = sum(c.ready or not ready_only for c in self._read_claims().values())
+            if count >= n:
+                logger.info(f"{count} peers have {what}")
                 return
             if time.monotonic() > deadline:
-                logger.warning(f"only {ready} of {n} peers ready after {timeout:.0f}s: starting anyway")
+                logger.warning(f"only {count} of {n} peers have {what} after {timeout:.0f}s: going on")
                 return
             time.sleep(0.5)
 
@@ -179,21 +201,92 @@ class Peer:
             self._explicit_path = True
         else:
             self._claims = self._read_claims()
-            self.path = path_from_index(mcfg, choose_path(mcfg, self._claims, self.peer_id))
+            self.path = path_from_index(mcfg, self._choose_path(joining=True))
             self._explicit_path = False
         self._publish_claim()
         if not self._explicit_path:
-            # Peers that joined together may have picked the same path: look again once claims settled.
+            # Peers that joined together may have picked the same path: look again once claims
+            # settled (for a run whose peers start together, once all of them have claimed).
+            if self.config.wait_for_peers > 1:
+                self._wait_for_peers(
+                    self.config.wait_for_peers, self.config.wait_for_peers_timeout_seconds, False
+                )
             time.sleep(min(2.0, self.config.heartbeat_seconds))
             self._claims = self._read_claims()
-            target = should_move(mcfg, self._claims, self.peer_id, path_index(mcfg, self.path))
-            if target is not None:
-                logger.info(f"path {path_index(mcfg, self.path)} is doubled while {target} is free: moving")
+            target = self._choose_path(joining=False)
+            if target != path_index(mcfg, self.path):
+                logger.info(f"moving from path {path_index(mcfg, self.path)} to {target} before training")
                 self.path = path_from_index(mcfg, target)
                 self._publish_claim()
         logger.info(
             f"training path {path_index(mcfg, self.path)} {self.path}: "
             f"modules {path_module_ids(mcfg, self.path)}"
+        )
+
+    def _choose_path(self, joining: bool) -> int:
+        """The plan's path for us ("planned" runs), else the least-covered one."""
+        mcfg = self.manifest.model
+        if self.manifest.scheduler.mode == "planned":
+            try:
+                snapshot = self._build_snapshot()
+                path = planned_path(
+                    self.manifest, snapshot, self._claims, self.peer_id, stable_seed(self.run_id), joining
+                )
+                if path is not None:
+                    return path
+                logger.warning("the plan left us unplaced; taking the least-covered path")
+            except Exception as e:  # planning must never keep a volunteer from training
+                logger.warning(f"planning failed ({type(e).__name__}: {e}); taking the least-covered path")
+        if joining:
+            return choose_path(mcfg, self._claims, self.peer_id)
+        current = path_index(mcfg, self.path)
+        target = should_move(mcfg, self._claims, self.peer_id, current)
+        return current if target is None else target
+
+    # --- probes and the plan ----------------------------------------------------------------------
+
+    def _build_snapshot(self):
+        with self._dht_lock:
+            self._probes = live_probes(self.dht, self.config.run_name, self.run_id)
+        self._probes[self.peer_id] = self._probe_record
+        return build_snapshot(
+            self.manifest, self._probes, self._claims, self._path_parameters, self.config.batch_size
+        )
+
+    def _probe(self, cycle: int) -> None:
+        """Measures (or reads injected) compute, memory and links, and publishes them."""
+        cfg = self.config
+        if cfg.probe_file is not None:
+            record = load_probe_file(cfg.probe_file, self.peer_id)
+        else:
+            if self.tokens_per_second > 0:
+                tps = self.tokens_per_second
+            else:
+                probe_model = PathModel(
+                    self.manifest.model, (0,) * self.manifest.model.n_levels, self.manifest.seed
+                )
+                tps = measure_tokens_per_second(
+                    probe_model.to(self.device), cfg.batch_size, self.manifest.seq_len, self.device
+                )
+            with self._dht_lock:
+                known = list(live_probes(self.dht, cfg.run_name, self.run_id)) + list(self._claims)
+            targets = sample_peers(known, self.peer_id, cycle, self.manifest.scheduler.max_links)
+            links = self._probe_service.measure_links(targets) if self._probe_service and targets else {}
+            record = ProbeRecord(
+                peer_id=self.peer_id,
+                tokens_per_second=max(tps, 1e-3),
+                memory_bytes=free_memory_bytes(self.device),
+                links={p: [lat, bw] for p, (lat, bw) in links.items()},
+            )
+        self._probe_record = record
+        with self._dht_lock:
+            publish_probe(self.dht, self.key, cfg.run_name, self.run_id, record)
+
+    def _group_of(self, module_id: str, round_index: int):
+        if not self.manifest.sync.max_group_size or self._snapshot is None:
+            return None
+        return my_averaging_group(
+            self.manifest, self._snapshot, self._claims, self.peer_id, module_id, round_index
         )
 
     def _build_model(self) -> None:
@@ -224,7 +317,14 @@ class Peer:
         self.metrics = PeerMetrics(
             self.config.run, self.peer_id, str(path_index(m.model, self.path)), VERSION
         )
-        self.outer = StreamingOuter(self.syncs, m, self.peer_id, self.metrics)
+        self.outer = StreamingOuter(
+            self.syncs,
+            m,
+            self.peer_id,
+            self.metrics,
+            group_of=self._group_of,
+            round_of=lambda: self.outer_round,
+        )
 
     def _build_averagers(self) -> None:
         sync = self.manifest.sync
@@ -326,12 +426,19 @@ class Peer:
             publish_claim(self.dht, self.key, self.config.run_name, self.run_id, self._claim_record(leaving))
 
     def _heartbeat_loop(self) -> None:
-        last_manifest = time.monotonic()
+        last_manifest = last_probe = time.monotonic()
+        cycle = 0
         while not self.stop_requested.wait(self.config.heartbeat_seconds):
             try:
                 self._publish_claim()
                 self._claims = self._read_claims()
                 self.metrics.set_peers_seen(len(self._claims))
+                if time.monotonic() - last_probe > self.manifest.scheduler.probe_every_seconds:
+                    cycle += 1
+                    self._probe(cycle)
+                    last_probe = time.monotonic()
+                if self.manifest.sync.max_group_size:
+                    self._snapshot = self._build_snapshot()
                 if time.monotonic() - last_manifest > 60:
                     with self._dht_lock:
                         publish_record(self.dht, self.key, self.record)
@@ -419,6 +526,7 @@ class Peer:
                 bytes_sent=self._round_bytes,
                 # the most this peer put on the wire for one sync event (a fragment, or everything)
                 peak_sync_bytes=self._round_peak_bytes,
+                groups={mid: r.members for mid, r in done.results.items()},
                 tokens_total=self.tokens_total,
                 time=time.time(),
                 train_seconds=self.train_seconds,
@@ -497,6 +605,8 @@ class Peer:
                     ms.averager.shutdown()
                 except Exception as e:
                     logger.debug(f"averager shutdown: {e}")
+        if self._probe_service is not None:
+            self._probe_service.shutdown()
         if self.metrics is not None:
             self.metrics.shutdown()
         if self.dht is not None:

@@ -1,0 +1,92 @@
+"""A live swarm follows the plan: injected link profiles put two "regions" on loopback; peers must
+claim the planned paths and average the shared trunk in the planned rotating subgroups."""
+
+from __future__ import annotations
+
+import json
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.schema import ClaimRecord, ProbeRecord
+from peer.checkpoint import load_latest_checkpoint
+from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.data import DatasetSpec
+from peer.local_swarm import LocalSwarm
+from peer.manifest import save_record, sign_manifest
+from peer.model import TRUNK, ModelConfig
+from peer.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
+from peer.run_setup import build_manifest
+
+RUN = "plantest"
+
+
+def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
+    manifest = build_manifest(
+        RUN,
+        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=1, modules_per_level=2),
+        DatasetSpec(kind="builtin", builtin_docs=300),
+        seq_len=32,
+        inner_steps=8,
+        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=100),
+        sync=SyncConfig(matchmaking_time_seconds=4.0, averaging_timeout_seconds=20.0, max_group_size=2),
+        router_docs=150,
+    )
+    record = sign_manifest(manifest, RSAPrivateKey())
+    manifest_file = tmp_path / "manifest.json"
+    save_record(record, manifest_file)
+
+    ids = []
+    for i in range(4):
+        P2P.generate_identity(str(tmp_path / f"id{i}"))
+        ids.append(PeerID.from_identity((tmp_path / f"id{i}").read_bytes()).to_base58())
+    region = {ids[0]: 0, ids[1]: 1, ids[2]: 0, ids[3]: 1}  # interleaved, so id order does not help
+    links = {
+        a: {b: ([0.001, 1e9] if region[a] == region[b] else [0.1, 1e6]) for b in ids if b != a} for a in ids
+    }
+    probe_file = tmp_path / "probes.json"
+    probe_file.write_text(json.dumps({"tokens_per_second": {p: 1000.0 for p in ids}, "links": links}))
+
+    rounds = 4
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(manifest_file)])
+        for i in range(4):
+            swarm.start_peer(
+                f"p{i}",
+                ["--run", f"{RUN}@{record.run_id[:16]}", "--identity_path", str(tmp_path / f"id{i}"),
+                 "--probe_file", str(probe_file), "--max_rounds", str(rounds), "--batch_size", "4",
+                 "--torch_threads", "1", "--heartbeat_seconds", "1", "--wait_for_peers", "4",
+                 "--checkpoint_dir", str(tmp_path / f"c{i}"), "--keep_checkpoints", "10"],
+            )  # fmt: skip
+        for i in range(4):
+            assert swarm.wait(f"p{i}", timeout=240) == 0, swarm.log_path(f"p{i}").read_text()[-3000:]
+
+    metas = {ids[i]: load_latest_checkpoint(tmp_path / f"c{i}")[1] for i in range(4)}
+    paths = {pid: meta["path"][0] for pid, meta in metas.items()}
+    # the plan: one region per path (fast links inside each averaging group)
+    assert (
+        paths[ids[0]] == paths[ids[2]] and paths[ids[1]] == paths[ids[3]] and paths[ids[0]] != paths[ids[1]]
+    )
+
+    # recompute the plan and the groups from the same records the peers saw
+    claims = {pid: ClaimRecord(peer_id=pid, path=k, modules=[TRUNK]) for pid, k in paths.items()}
+    data = json.loads(probe_file.read_text())
+    probes = {
+        pid: ProbeRecord(
+            peer_id=pid, tokens_per_second=1000.0, memory_bytes=1 << 34, links=data["links"][pid]
+        )
+        for pid in ids
+    }
+    snapshot = build_snapshot(manifest, probes, claims, path_parameters(manifest), batch_size=4)
+    assert planned_path(manifest, snapshot, claims, ids[0], 0, joining=False) == paths[ids[0]]
+    for pid, meta in metas.items():
+        # The last round races with peers that finished it and left (their claims say `leaving`,
+        # so the others' view of the holders shrinks); every earlier round must follow the plan.
+        for entry in meta["history"][:-1]:
+            expected = my_averaging_group(manifest, snapshot, claims, pid, TRUNK, entry["round"] - 1)
+            assert expected is not None
+            assert entry["groups"][TRUNK] == expected[1], (pid, entry["round"], entry["groups"])
+    # rotation: over the rounds, every peer averaged the trunk with a peer of the other region too
+    for pid, meta in metas.items():
+        partners = {p for e in meta["history"] for p in e["groups"][TRUNK]} - {pid}
+        assert {region[p] for p in partners} == {0, 1}, (pid, partners)
