@@ -128,7 +128,9 @@ class SymmetricAllReduceRunner(AllReduceRunner):
     async def _reduce_own_parts(self, peer_index: int) -> None:
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            average = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            average = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
             _, decoded = await self._quantized_average(part_index, average)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded - part)
 
@@ -157,7 +159,9 @@ class SymmetricAllReduceRunner(AllReduceRunner):
             container.register_processed_part(peer_index, part_index, averaged - own)
             part_index += 1
         if part_index != container.num_parts_by_peer[peer_index]:
-            raise AllreduceException(f"{peer_id} sent {part_index} of {container.num_parts_by_peer[peer_index]} parts")
+            raise AllreduceException(
+                f"{peer_id} sent {part_index} of {container.num_parts_by_peer[peer_index]} parts"
+            )
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
