@@ -41,13 +41,14 @@ def publish_claim(
     )
 
 
-def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, ClaimRecord]:
-    """Unexpired claims by peer id. Records were validated by the DHT; parse them again anyway,
-    since a peer is never trusted and one owner key must not speak for several peer ids."""
+def _read(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, tuple[ClaimRecord, float]]:
+    """Unexpired claims (leaving ones included) with their expiry, by peer id. Records were
+    validated by the DHT; parse them again anyway, since a peer is never trusted and one owner key
+    must not speak for several peer ids."""
     found = dht.get(claims_key(run_name, run_id), latest=True)
-    claims: dict[str, ClaimRecord] = {}
+    out: dict[str, tuple[ClaimRecord, float]] = {}
     if found is None or not isinstance(found.value, dict):
-        return claims
+        return out
     now = get_dht_time()
     for item in found.value.values():
         if item.expiration_time < now:
@@ -56,12 +57,35 @@ def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, Clai
             claim = ClaimRecord.model_validate(item.value)
         except ValidationError:
             continue
-        if claim.leaving:
-            continue
-        previous = claims.get(claim.peer_id)
-        if previous is None or claim.step >= previous.step:
-            claims[claim.peer_id] = claim
-    return claims
+        previous = out.get(claim.peer_id)
+        if previous is None or claim.step >= previous[0].step:
+            out[claim.peer_id] = (claim, item.expiration_time)
+    return out
+
+
+def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, ClaimRecord]:
+    """Claims of peers that are present (unexpired, not leaving), by peer id."""
+    return {pid: c for pid, (c, _) in _read(dht, run_name, run_id).items() if not c.leaving}
+
+
+class ClaimView:
+    """Claims as this peer last saw them. A record missing from one DHT read (a lookup that came
+    back short) stays until its own expiry, so the view — and the groups planned from it — does not
+    flicker; a peer that announced it is leaving goes at once."""
+
+    def __init__(self, run_name: str, run_id: str):
+        self.run_name, self.run_id = run_name, run_id
+        self._entries: dict[str, tuple[ClaimRecord, float]] = {}
+
+    def update(self, dht: hivemind.DHT) -> dict[str, ClaimRecord]:
+        for pid, (claim, expiry) in _read(dht, self.run_name, self.run_id).items():
+            if claim.leaving:
+                self._entries.pop(pid, None)
+            else:
+                self._entries[pid] = (claim, expiry)
+        now = get_dht_time()
+        self._entries = {pid: e for pid, e in self._entries.items() if e[1] >= now}
+        return {pid: c for pid, (c, _) in self._entries.items()}
 
 
 def holders_by_module(claims: dict[str, ClaimRecord], ready_only: bool = True) -> dict[str, list[str]]:

@@ -24,7 +24,7 @@ from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer.averaging import ModuleAverager
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
-from peer.claims import choose_path, holders_by_module, live_claims, publish_claim, should_move
+from peer.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
 from peer.config import PeerConfig, RunManifest
 from peer.data import PathBatches, load_documents
 from peer.faults import fault_point
@@ -93,6 +93,7 @@ class Peer:
         self._probe_record: ProbeRecord | None = None
         self._probes: dict[str, ProbeRecord] = {}
         self._snapshot = None
+        self._claim_view: ClaimView | None = None
         self._train_seconds_before = 0.0  # from a resumed checkpoint
         self._train_clock: float | None = None
 
@@ -246,9 +247,11 @@ class Peer:
     # --- probes and the plan ----------------------------------------------------------------------
 
     def _build_snapshot(self):
+        # Like claims, probe records missing from one read are kept (while their peer's claim is).
         with self._dht_lock:
-            self._probes = live_probes(self.dht, self.config.run_name, self.run_id)
+            self._probes.update(live_probes(self.dht, self.config.run_name, self.run_id))
         self._probes[self.peer_id] = self._probe_record
+        self._probes = {p: r for p, r in self._probes.items() if p in self._claims or p == self.peer_id}
         return build_snapshot(
             self.manifest, self._probes, self._claims, self._path_parameters, self.config.batch_size
         )
@@ -393,8 +396,10 @@ class Peer:
     # --- DHT traffic ----------------------------------------------------------------------------
 
     def _read_claims(self) -> dict[str, ClaimRecord]:
+        if self._claim_view is None:
+            self._claim_view = ClaimView(self.config.run_name, self.run_id)
         with self._dht_lock:
-            return live_claims(self.dht, self.config.run_name, self.run_id)
+            return self._claim_view.update(self.dht)
 
     def _claim_record(self, leaving: bool = False) -> ClaimRecord:
         m = self.manifest
