@@ -13,10 +13,9 @@ from collections import Counter
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import ValidationError
 
 from dht.keys import CLAIM_TTL_SECONDS, claims_key
-from dht.node import owner_subkey
+from dht.records import read_records, store_record
 from dht.schema import ClaimRecord
 from peer.model import ModelConfig, stable_seed
 
@@ -31,35 +30,17 @@ def publish_claim(
     claim: ClaimRecord,
     ttl: float = CLAIM_TTL_SECONDS,
 ) -> bool:
-    return bool(
-        dht.store(
-            claims_key(run_name, run_id),
-            subkey=owner_subkey(key),
-            value=claim.model_dump(),
-            expiration_time=get_dht_time() + ttl,
-        )
-    )
+    return store_record(dht, claims_key(run_name, run_id), key, claim, ttl)
 
 
 def _read(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, tuple[ClaimRecord, float]]:
-    """Unexpired claims (leaving ones included) with their expiry, by peer id. Records were
-    validated by the DHT; parse them again anyway, since a peer is never trusted and one owner key
-    must not speak for several peer ids."""
-    found = dht.get(claims_key(run_name, run_id), latest=True)
+    """Unexpired claims (leaving ones included) with their expiry, by peer id; one owner key must
+    not speak for several peer ids, so the most advanced record per peer id wins."""
     out: dict[str, tuple[ClaimRecord, float]] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    now = get_dht_time()
-    for item in found.value.values():
-        if item.expiration_time < now:
-            continue
-        try:
-            claim = ClaimRecord.model_validate(item.value)
-        except ValidationError:
-            continue
+    for claim, expiry in read_records(dht, claims_key(run_name, run_id), ClaimRecord):
         previous = out.get(claim.peer_id)
         if previous is None or claim.step >= previous[0].step:
-            out[claim.peer_id] = (claim, item.expiration_time)
+            out[claim.peer_id] = (claim, expiry)
     return out
 
 

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import hivemind
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import ValidationError
 
 from dht.keys import MANIFEST_TTL_SECONDS, manifest_key
-from dht.node import SwarmError, owner_subkey
+from dht.node import SwarmError
+from dht.records import store_record
 from dht.schema import ManifestRecord
 from peer.config import RunManifest, one_line
 
@@ -81,14 +81,7 @@ def load_record(path: Path) -> ManifestRecord:
 
 def publish_record(dht: hivemind.DHT, key: RSAPrivateKey, record: ManifestRecord) -> bool:
     name = json.loads(record.manifest_json)["name"]
-    return bool(
-        dht.store(
-            manifest_key(name),
-            subkey=owner_subkey(key),
-            value=record.model_dump(),
-            expiration_time=get_dht_time() + MANIFEST_TTL_SECONDS,
-        )
-    )
+    return store_record(dht, manifest_key(name), key, record, MANIFEST_TTL_SECONDS)
 
 
 def fetch_manifest(

@@ -25,12 +25,11 @@ import psutil
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from dht.keys import PROBE_TTL_SECONDS, probes_key
-from dht.node import owner_subkey
+from dht.records import read_records, store_record
 from dht.schema import ProbeRecord
 from peer.model import PathModel, stable_seed
 
@@ -152,28 +151,8 @@ def load_probe_file(path: Path, me: str) -> ProbeRecord | None:
 def publish_probe(
     dht: hivemind.DHT, key: RSAPrivateKey, run_name: str, run_id: str, record: ProbeRecord
 ) -> bool:
-    return bool(
-        dht.store(
-            probes_key(run_name, run_id),
-            subkey=owner_subkey(key),
-            value=record.model_dump(),
-            expiration_time=get_dht_time() + PROBE_TTL_SECONDS,
-        )
-    )
+    return store_record(dht, probes_key(run_name, run_id), key, record, PROBE_TTL_SECONDS)
 
 
 def live_probes(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, ProbeRecord]:
-    found = dht.get(probes_key(run_name, run_id), latest=True)
-    out: dict[str, ProbeRecord] = {}
-    if found is None or not isinstance(found.value, dict):
-        return out
-    now = get_dht_time()
-    for item in found.value.values():
-        if item.expiration_time < now:
-            continue
-        try:
-            record = ProbeRecord.model_validate(item.value)
-        except ValidationError:
-            continue
-        out[record.peer_id] = record
-    return out
+    return {r.peer_id: r for r, _ in read_records(dht, probes_key(run_name, run_id), ProbeRecord)}
