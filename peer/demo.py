@@ -108,6 +108,9 @@ def run_demo(
             with tqdm(total=n_peers * rounds, desc="outer rounds (all peers)", unit="round") as bar:
                 done = 0
                 while any(swarm.alive(n) for n in names):
+                    crashed = [n for n in names if not swarm.alive(n) and swarm.procs[n].returncode != 0]
+                    if crashed:
+                        break  # the others would wait for it: stop now and show why
                     if time.monotonic() > deadline:
                         raise TimeoutError(
                             f"demo did not finish within {timeout_seconds:.0f}s (logs in {workdir})"
@@ -127,7 +130,8 @@ def run_demo(
     if failed:
         for n in failed:
             tail = (workdir / "logs" / f"{n}.log").read_text().splitlines()[-5:]
-            print(f"{n} exited with {failed[n]}:\n  " + "\n  ".join(tail))
+            how = "was stopped after another peer failed" if failed[n] is None else f"exited with {failed[n]}"
+            print(f"{n} {how}:\n  " + "\n  ".join(tail))
         return 1
     summary = summarize(workdir, codes, rounds, time.monotonic() - started)
     _print_table(summary)
