@@ -147,9 +147,13 @@ class Peer:
         what = "ready" if ready_only else "claimed a path"
         deadline = time.monotonic() + timeout
         while not self.stop_requested.is_set():
-            count = sum(c.ready or not ready_only for c in self._read_claims().values())
+            claims = self._read_claims()
+            count = sum(c.ready or not ready_only for c in claims.values())
             if count >= n:
                 logger.info(f"{count} peers have {what}")
+                # The first syncs can come before the next heartbeat refreshes the holders: with an
+                # older snapshot a peer would sync "alone" and its global copy drift from the others.
+                self._claims = claims
                 return
             if time.monotonic() > deadline:
                 logger.warning(f"only {count} of {n} peers have {what} after {timeout:.0f}s: going on")
