@@ -1,4 +1,4 @@
-"""The `pathswarm` command line: peer, bootstrap, run create, demo, schedule.
+"""The `pathswarm` command line: peer, bootstrap, run create, demo, eval, generate, export, schedule.
 
 Every subcommand is thin: parse, build, run, shut down in `finally`. Errors a user can fix are one
 line on stderr and exit status 2; SIGTERM and Ctrl-C let a peer finish its step and checkpoint.
@@ -115,7 +115,7 @@ def _demo_parser(sub) -> None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    from peer import cli_schedule
+    from peer import cli_model, cli_schedule
 
     parser = argparse.ArgumentParser(prog="pathswarm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +124,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     _run_parser(sub)
     _demo_parser(sub)
     commands = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "run": cmd_run_create}
+    commands.update(cli_model.register(sub))
     commands.update(cli_schedule.register(sub))
     return parser, commands
 

@@ -1,0 +1,134 @@
+"""`pathswarm eval | generate | export` on checkpoints written like a swarm's peers write them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.checkpoint import save_checkpoint
+from peer.cli_model import register
+from peer.config import InnerOptimizerConfig
+from peer.data import DatasetSpec, load_documents, split_of
+from peer.eval import assemble_grid
+from peer.experiment import shard
+from peer.inference import load_exported
+from peer.manifest import save_record, sign_manifest
+from peer.model import ModelConfig, path_from_index, path_module_ids
+from peer.run_setup import build_manifest, make_route
+from peer.simulate import DipacoSim, SimConfig
+from peer.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A signed manifest and one checkpoint folder per path, after a few DiPaCo rounds."""
+    root = tmp_path_factory.mktemp("run")
+    model = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
+    dataset = DatasetSpec(kind="builtin", builtin_docs=300, eval_fraction=0.1)
+    manifest = build_manifest(
+        "cli-test",
+        model,
+        dataset,
+        seq_len=32,
+        inner_steps=5,
+        inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=2, total_steps=10),
+        router_docs=200,
+    )
+    record_file = root / "manifest.json"
+    save_record(sign_manifest(manifest, RSAPrivateKey()), record_file)
+    tok = ByteTokenizer()
+    train = [t for t in load_documents(dataset) if split_of(t, dataset) == "train"]
+    shards = shard(train, make_route(manifest), tok, model.n_paths)
+    sim = DipacoSim(SimConfig.from_manifest(manifest, batch_size=4), shards, tok, 10, progress=False)
+    sim.train(10)
+    state = sim.global_state()
+    dirs = []
+    for index in range(model.n_paths):
+        path = path_from_index(model, index)
+        mids = path_module_ids(model, path)
+        tensors = {k: v for k, v in state.items() if k.split("/")[0] in mids}
+        meta = dict(step=10, outer_round=2, run_id=manifest.run_id, path=list(path), tokens_total=10 * 4 * 32)
+        save_checkpoint(root / f"peer{index}", tensors, meta)
+        dirs.append(str(root / f"peer{index}"))
+    return manifest, record_file, dirs, sim
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    handlers = register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return handlers[args.command](args)
+
+
+def test_eval_prints_a_table_and_writes_json(trained_run, tmp_path, capsys):
+    manifest, record_file, dirs, sim = trained_run
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--manifest_path", str(record_file), "--checkpoints", *dirs, "--max_docs", "8"]
+    assert _run(argv + ["--baseline_steps", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "composite / dense perplexity" in printed and "all" in printed
+    result = json.loads(out.read_text())
+    assert result["run_id"] == manifest.run_id and result["baseline_steps"] == 4
+    assert result["composite"]["docs"] == 8 and result["dense"]["tokens"] == result["composite"]["tokens"]
+    # The grid the CLI assembled is the simulation's global copy.
+    grid, expected = assemble_grid(manifest, dirs), sim.grid()
+    for a, b in zip(grid.parameters(), expected.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert _run(argv + ["--baseline_steps", "0"]) == 0
+    assert "composite / dense" not in capsys.readouterr().out
+
+
+def test_export_then_generate_from_the_export_and_from_checkpoints(trained_run, tmp_path, capsys):
+    manifest, record_file, dirs, _ = trained_run
+    out = tmp_path / "export"
+    assert (
+        _run(
+            [
+                "export",
+                "--manifest_path",
+                str(record_file),
+                "--checkpoints",
+                dirs[1],
+                "--path",
+                "0,1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert load_exported(out).path == (0, 1)
+    capsys.readouterr()
+    sampling = ["--prompt", "count: 1, 2, 3", "--max_new_tokens", "12", "--seed", "3"]
+    assert _run(["generate", "--exported", str(out), *sampling]) == 0
+    assert capsys.readouterr().out.startswith("[path 1 0,1]")
+    assert _run(["generate", "--manifest_path", str(record_file), "--checkpoints", *dirs, *sampling]) == 0
+    assert "count: 1, 2, 3" in capsys.readouterr().out
+
+
+def test_user_errors_are_one_line_value_errors(trained_run, tmp_path):
+    _, record_file, dirs, _ = trained_run
+    with pytest.raises(ValueError, match="no checkpoint holds module"):
+        _run(
+            [
+                "export",
+                "--manifest_path",
+                str(record_file),
+                "--checkpoints",
+                dirs[0],
+                "--path",
+                "3",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+    with pytest.raises(ValueError, match="cannot read manifest file"):
+        _run(["eval", "--manifest_path", str(tmp_path / "missing.json"), "--checkpoints", *dirs])
+    with pytest.raises(ValueError, match="or --exported"):
+        _run(["generate", "--prompt", "hi"])
+    with pytest.raises(ValueError, match="no valid checkpoint"):
+        _run(["eval", "--manifest_path", str(record_file), "--checkpoints", str(tmp_path)])
