@@ -21,6 +21,7 @@ buffer length against the declared shape before reading it: a part from another 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,6 +47,32 @@ def _pack_nibbles(codes: torch.Tensor) -> bytes:
     return ((codes[0::2] << 4) | codes[1::2]).numpy().tobytes()
 
 
+def _encode(
+    codec: CompressionBase, shape: torch.Size, absmax: torch.Tensor, payload: bytes
+) -> runtime_pb2.Tensor:
+    """Our wire format: one float32 scale per block, then the codes; decoded dtype is float32."""
+    return runtime_pb2.Tensor(
+        compression=codec.compression_type,
+        buffer=absmax.float().numpy().tobytes() + payload,
+        size=shape,
+        dtype="float32",
+        requires_grad=False,
+    )
+
+
+def _decode(
+    serialized: runtime_pb2.Tensor, block: int, payload_bytes: Callable[[int], int]
+) -> tuple[torch.Size, torch.Tensor, bytes]:
+    """Shape, block scales and code bytes of an untrusted message, after checking its length
+    (`payload_bytes(n)`: the code bytes n numbers take)."""
+    shape = torch.Size(serialized.size)
+    n_blocks = math.ceil(shape.numel() / block)
+    if len(serialized.buffer) != 4 * n_blocks + payload_bytes(shape.numel()) or serialized.dtype != "float32":
+        raise ValueError(f"codec: {len(serialized.buffer)} bytes do not fit shape {tuple(shape)}")
+    absmax = torch.from_numpy(np.frombuffer(serialized.buffer[: 4 * n_blocks], dtype=np.float32).copy())
+    return shape, absmax, serialized.buffer[4 * n_blocks :]
+
+
 def _unpack_nibbles(data: bytes, n: int) -> torch.Tensor:
     packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
     out = torch.empty(packed.numel() * 2, dtype=torch.uint8)
@@ -65,25 +92,12 @@ class _BlockCodec(CompressionBase):
         normalized = (blocks / absmax[:, None]).reshape(-1)
         # levels ascend, so the nearest level is found by bucketing against the midpoints: O(n) memory
         codes = torch.bucketize(normalized, (self.levels[1:] + self.levels[:-1]) / 2)
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=absmax.numpy().tobytes() + _pack_nibbles(codes[:n]),
-            size=tensor.shape,
-            dtype="float32",
-            requires_grad=False,
-        )
+        return _encode(self, tensor.shape, absmax, _pack_nibbles(codes[:n]))
 
     def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = torch.Size(serialized.size)
+        shape, absmax, payload = _decode(serialized, self.block, lambda n: math.ceil(n / 2))
         n = shape.numel()
-        n_blocks = math.ceil(n / self.block)
-        expected = 4 * n_blocks + math.ceil(n / 2)
-        if len(serialized.buffer) != expected or serialized.dtype != "float32":
-            raise ValueError(
-                f"{type(self).__name__}: {len(serialized.buffer)} bytes for shape {tuple(shape)}"
-            )
-        absmax = torch.from_numpy(np.frombuffer(serialized.buffer[: 4 * n_blocks], dtype=np.float32).copy())
-        codes = _unpack_nibbles(serialized.buffer[4 * n_blocks :], n)
+        codes = _unpack_nibbles(payload, n)
         values = self.levels[codes]
         scale = absmax.repeat_interleave(self.block)[:n]
         return (values * scale).reshape(shape)
@@ -134,23 +148,12 @@ class Blockwise8BitCodec(CompressionBase):
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
         flat = tensor.detach().reshape(-1).float().cpu().contiguous()
         q, state = self._f.quantize_blockwise(flat, code=self._code, blocksize=self.block)
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=state.absmax.float().numpy().tobytes() + q.numpy().tobytes(),
-            size=tensor.shape,
-            dtype="float32",
-            requires_grad=False,
-        )
+        return _encode(self, tensor.shape, state.absmax, q.numpy().tobytes())
 
     def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = torch.Size(serialized.size)
-        n = shape.numel()
-        n_blocks = math.ceil(n / self.block)
-        if len(serialized.buffer) != 4 * n_blocks + n or serialized.dtype != "float32":
-            raise ValueError(f"int8 codec: {len(serialized.buffer)} bytes for shape {tuple(shape)}")
-        absmax = torch.from_numpy(np.frombuffer(serialized.buffer[: 4 * n_blocks], dtype=np.float32).copy())
-        q = torch.from_numpy(np.frombuffer(serialized.buffer[4 * n_blocks :], dtype=np.uint8).copy())
-        if n == 0:
+        shape, absmax, payload = _decode(serialized, self.block, lambda n: n)
+        q = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        if shape.numel() == 0:
             return torch.zeros(shape)
         out = self._f.dequantize_blockwise(q, absmax=absmax, code=self._code, blocksize=self.block)
         return out.float().reshape(shape)
