@@ -166,7 +166,7 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
 
 
 def derive_tau(args: argparse.Namespace, runs: dict[str, dict], model_bytes: int) -> tuple[int, dict]:
-    """τ such that one fragment's all-reduce finishes within τ steps, with 50% margin, from measured
+    """τ such that one fragment's all-reduce finishes within τ steps, with a 2x margin, from measured
     step time (no_sync) and blocking sync time (diloco_fp32), and τ < H/P as Streaming DiLoCo needs."""
     limit = max(1, args.inner_steps // args.fragments - 1)
     why: dict = dict(max_tau=limit)
@@ -185,7 +185,7 @@ def derive_tau(args: argparse.Namespace, runs: dict[str, dict], model_bytes: int
     latency = max(0.0, sync_full - transfer_full)
     ratio = 32 / 4.5 if args.codec in ("nf4", "e3m0") else {"int8": 4.0, "fp16": 2.0}.get(args.codec, 1.0)
     fragment_sync = latency + transfer_full / (args.fragments * ratio)
-    tau = max(1, min(limit, math.ceil(1.5 * fragment_sync / step)))
+    tau = max(1, min(limit, math.ceil(2.0 * fragment_sync / step)))
     why.update(step_seconds=step, sync_seconds_diloco=sync_full, transfer_seconds_diloco=transfer_full,
                latency_seconds=latency, fragment_sync_seconds=fragment_sync, tau=tau)  # fmt: skip
     return tau, why
