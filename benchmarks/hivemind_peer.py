@@ -5,9 +5,10 @@ seed, the run's data shard and batch shape, the same inner AdamW with its cosine
 clipping. Instead of pathswarm's outer sync it hands the parameters to `hivemind.Optimizer` with
 `use_local_updates=True`: every step is a local AdamW step, and once the swarm has processed
 `target_batch_size` samples (peers × batch × H, about H steps each) the peers average their
-parameters in fp32 in the background (hivemind's delayed state averaging). Its checkpoints hold the
-peer's parameters as `local/...` and a history in the same format as a pathswarm peer's, so the
-benchmark reads both the same way.
+parameters in fp32 in the background (hivemind's delayed state averaging). One change to stock
+hivemind: an epoch ends on samples only, not also on its wall-clock ETA (see `_ready_by_samples`).
+Its checkpoints hold the peer's parameters as `local/...` and a history in the same format as a
+pathswarm peer's, so the benchmark reads both the same way.
 
     python -m benchmarks.hivemind_peer --manifest_path M --initial_peers ... --host_maddrs ...
         --index 0 --peers 4 --max_steps 200 --batch_size 8 --checkpoint_dir D
@@ -27,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 
 import hivemind
 import torch
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 
 from peer.checkpoint import save_checkpoint
@@ -38,6 +40,20 @@ from peer.trainer import _cosine_lr  # the pathswarm peer's schedule, so both tr
 
 logger = logging.getLogger("hivemind_peer")
 READY_KEY = "wan_hivemind_ready"
+
+
+def _ready_by_samples(self: ProgressTracker) -> bool:
+    return (
+        self.global_epoch > self.local_progress.epoch
+        or self.global_progress.samples_accumulated >= self.target_batch_size
+    )
+
+
+# hivemind also ends an epoch once its wall-clock ETA has passed. Its averaging blocks the next local
+# step (local updates wait for the delayed round), and on a slow link a round outlasts the ETA of
+# the next epoch, so from the second epoch on every step would start another full average. An epoch
+# here is exactly target_batch_size samples, as the comparison with H inner steps needs.
+ProgressTracker.ready_to_update_epoch = property(_ready_by_samples)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,6 +16,12 @@ every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
 * `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
   in fp32 every peers × batch × H samples (benchmarks/hivemind_peer.py).
 
+Four peers share this box's two cores, so each peer's training thread runs under a CPU quota
+(`--compute_cores`, a cgroup): its "accelerator". Its networking (DHT, averagers, p2pd) runs
+outside the quota at a higher priority, as the host CPU of a real peer would (`PeerCpu`). CPU
+seconds of both are recorded. Defaults (3.2M-parameter model, batch 4×64 tokens, H = 48, P = 4)
+make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take about 15 minutes.
+
 Measured per configuration (means over peers):
 * `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, over the window in which all of a
   configuration's peers were training (start-up skew would otherwise flatter the early starters);
@@ -80,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--cap_mbit", type=float, default=20.0, help="egress cap of every peer")
     p.add_argument("--loss", type=float, default=0.0, help="random packet loss of every peer's egress")
-    p.add_argument("--steps", type=int, default=320, help="inner steps of every peer")
-    p.add_argument("--inner_steps", type=int, default=64, help="H")
+    p.add_argument("--steps", type=int, default=192, help="inner steps of every peer")
+    p.add_argument("--inner_steps", type=int, default=48, help="H")
     p.add_argument("--fragments", type=int, default=4, help="P of streaming_4bit")
     p.add_argument("--overlap_steps", type=int, default=None, help="τ of streaming_4bit (default: derived)")
     p.add_argument("--mixing_alpha", type=float, default=0.5, help="α of streaming_4bit")
@@ -95,12 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matchmaking_seconds", type=float, default=10.0)
     p.add_argument("--averaging_timeout", type=float, default=30.0)
     p.add_argument("--builtin_docs", type=int, default=3000)
-    p.add_argument("--max_eval_docs", type=int, default=150)
+    p.add_argument("--max_eval_docs", type=int, default=100)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset to run")
     p.add_argument("--config_timeout", type=float, default=600.0, help="seconds one configuration may take")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--compute_cores", type=float, default=0.3, help="CPU quota of each peer's training thread (0: none)"
+        "--compute_cores", type=float, default=0.25, help="CPU quota of each peer's training thread (0: none)"
     )
     p.add_argument(
         "--comm_priority", type=int, default=5, help="nice levels by which peers' networking outranks compute"
@@ -382,16 +388,18 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
         for i, host in enumerate(hosts):
             ckpt = workdir / f"peer{i}"
             if name == "hivemind_optimizer":
-                argv = [sys.executable, "-m", "benchmarks.hivemind_peer", "--manifest_path", str(manifest_file),
-                        "--initial_peers", *initial_peers, "--host_maddrs", host.maddr(), "--index", str(i),
-                        "--peers", str(len(hosts)), "--max_steps", str(args.steps),
-                        "--batch_size", str(args.batch_size), "--checkpoint_dir", str(ckpt),
-                        "--torch_threads", "1", "--matchmaking_time", str(args.matchmaking_seconds),
+                argv = [sys.executable, "-m", "benchmarks.hivemind_peer",
+                        "--manifest_path", str(manifest_file), "--initial_peers", *initial_peers,
+                        "--host_maddrs", host.maddr(), "--index", str(i), "--peers", str(len(hosts)),
+                        "--max_steps", str(args.steps), "--batch_size", str(args.batch_size),
+                        "--checkpoint_dir", str(ckpt), "--torch_threads", "1",
+                        "--matchmaking_time", str(args.matchmaking_seconds),
                         "--averaging_timeout", str(args.averaging_timeout)]  # fmt: skip
             else:
                 swarm = ["--new_swarm"] if name == "no_sync" else ["--initial_peers", *initial_peers]
                 wait = 1 if name == "no_sync" else len(hosts)
-                argv = [sys.executable, "-m", "peer", "peer", "--run", f"{manifest.name}@{record.run_id[:16]}",
+                argv = [sys.executable, "-m", "peer", "peer",
+                        "--run", f"{manifest.name}@{record.run_id[:16]}",
                         "--manifest_path", str(manifest_file), *swarm, "--host_maddrs", host.maddr(),
                         "--path", "0", "--max_steps", str(args.steps), "--batch_size", str(args.batch_size),
                         "--checkpoint_dir", str(ckpt), "--torch_threads", "1",
@@ -550,6 +558,31 @@ def eval_loss(manifest: RunManifest, tensors: dict[str, torch.Tensor], which: st
     return result.nll / result.tokens
 
 
+def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Relative L2 error and cosine of each 4-bit codec on an outer-gradient-like vector: the gap
+    between a streaming peer's global copy and its local model at the end (same bytes for both)."""
+    from hivemind.compression import CompressionInfo
+
+    from peer.codecs import E3M0Codec, NF4Codec
+
+    parts = []
+    for key, value in tensors.items():
+        if "/global/" in key:
+            mid, name = key.split("/global/")
+            parts.append((value - tensors[f"local/parts.{mid}.{name}"]).reshape(-1).float())
+    delta = torch.cat(parts)
+    out = {}
+    for name, codec in (("nf4", NF4Codec()), ("e3m0", E3M0Codec())):
+        msg = codec.compress(delta, CompressionInfo.from_tensor(delta))
+        back = codec.extract(msg)
+        out[name] = dict(
+            relative_l2_error=float((back - delta).norm() / delta.norm()),
+            cosine=float(torch.nn.functional.cosine_similarity(back, delta, dim=0)),
+            bytes_per_value=len(msg.buffer) / delta.numel(),
+        )
+    return out
+
+
 # --- report ---------------------------------------------------------------------------------------
 
 
@@ -588,7 +621,9 @@ def write_markdown(path: Path, report: dict) -> str:
         f"{report['peers']} peers, egress cap {report['cap_mbit']:g} Mbit/s each, loss {report['loss']:g}, "
         f"{report['steps']} steps, H = {report['H']}, streaming P = {report['fragments']}, "
         f"τ = {report['overlap_steps']}, α = {report['mixing_alpha']}, codec {report['codec']}; "
-        f"model {report['model_parameters'] / 1e6:.2f}M parameters ({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
+        f"compute quota {report['compute_cores']:g} core per peer; model "
+        f"{report['model_parameters'] / 1e6:.2f}M parameters "
+        f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
         "",
         "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak bytes / sync "
         "| wire burst peak | eval loss |",
@@ -601,6 +636,8 @@ def write_markdown(path: Path, report: dict) -> str:
             f"| {r['bytes_sent_per_peer_per_round'] / 1e3:,.0f} kB | {peak} "
             f"| {r['peak_wire_burst_bytes'] / 1e3:,.0f} kB | {r['eval_loss']:.4f} |"
         )
+    for name, error in report.get("failed", {}).items():
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} | | | | | |")
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
@@ -642,6 +679,7 @@ def write_plot(path: Path, report: dict, outcomes: dict[str, Outcome]) -> None:
         # log scale: a zero (no_sync sends nothing) is left out rather than drawn
         values = [runs[name][k] / ref[k] if ref and ref[k] and runs[name][k] > 0 else float("nan")
                   for k, _ in metrics]  # fmt: skip
+        values = [v if v >= 1e-3 else float("nan") for v in values]  # no_sync's few DHT bytes
         axes[2].bar([i + j * width for i in range(len(metrics))], values, width, label=name)
     axes[2].set_xticks(
         [i + width * (len(names) - 1) / 2 for i in range(len(metrics))], [m for _, m in metrics]
@@ -685,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     outcomes: dict[str, Outcome] = {}
+    failures: dict[str, str] = {}
     runs: dict[str, dict] = {}
     tau, tau_why = args.overlap_steps or 0, {}
     caps = [None] + [args.cap_mbit] * args.peers
@@ -697,15 +736,22 @@ def main(argv: list[str] | None = None) -> int:
             sync = sync_config(name, args, tau)
             manifest = base.model_copy(update=dict(name=f"wan_{name}", sync=sync))
             print(f"[{time.monotonic() - started:5.0f}s] {name}: starting", flush=True)
-            outcomes[name] = run_config(name, lab, manifest, args, out)
-            runs[name] = measure(outcomes[name], args)
-            r = runs[name]
+            try:
+                outcome = run_config(name, lab, manifest, args, out)
+                r = measure(outcome, args)
+            except (RuntimeError, TimeoutError) as e:
+                # one broken configuration must not cost the others' measurements
+                print(f"[{time.monotonic() - started:5.0f}s] {name}: FAILED: {e}", flush=True)
+                failures[name] = str(e)
+                continue
+            outcomes[name], runs[name] = outcome, r
             print(
-                f"[{time.monotonic() - started:5.0f}s] {name}: {r['tokens_per_second']:.0f} tokens/s per peer, "
+                f"[{time.monotonic() - started:5.0f}s] {name}: {r['tokens_per_second']:.0f} tokens/s/peer, "
                 f"{r['wire_bytes_per_round'] / 1e3:.0f} kB/round on the wire, {r['wall_seconds']:.0f}s",
                 flush=True,
             )
 
+    torch.set_num_threads(os.cpu_count() or 1)  # the peers are gone: evaluation may use every core
     docs = eval_documents(base.dataset, limit=args.max_eval_docs)
     base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else float("nan")
     for name, o in outcomes.items():
@@ -745,6 +791,10 @@ def main(argv: list[str] | None = None) -> int:
         params={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         command=" ".join(["python -m benchmarks.wan", *(argv if argv is not None else sys.argv[1:])]),
         runs=runs,
+        failed=failures,
+        codec_errors=codec_errors(outcomes["streaming_4bit"].tensors)
+        if "streaming_4bit" in outcomes
+        else None,
         targets=targets_report(runs, args.fragments),
         wall_seconds=time.monotonic() - started,
     )
