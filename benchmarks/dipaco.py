@@ -29,12 +29,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig
-from peer.data import DatasetSpec, load_documents, split_of
-from peer.eval import EvalResult, evaluate
-from peer.experiment import DipacoOptions, run_dipaco
-from peer.model import ModelConfig, PathModel, all_paths, count_parameters, path_module_ids
-from peer.simulate import DenseTrainer, SimConfig, dense_config
-from peer.tokenizer import ByteTokenizer
+from peer.data.sources import DatasetSpec, load_documents, split_of
+from peer.model.grid import ModelConfig, all_paths, path_module_ids
+from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import PathModel, count_parameters
+from peer.offline.evaluation import EvalResult, evaluate
+from peer.offline.experiment import DipacoOptions, run_dipaco
+from peer.offline.simulate import DenseTrainer, SimConfig, dense_config
 
 TARGET_RATIO = 0.92  # the paper's 2x4 grid: 14.86 / 16.23 composite over dense path-size perplexity
 

@@ -32,11 +32,13 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 
 from peer.checkpoint import save_checkpoint
-from peer.data import PathBatches, load_documents
-from peer.manifest import load_record, verify_record
-from peer.model import PathModel, stable_seed
-from peer.run_setup import check_tokenizer, make_route
-from peer.trainer import _cosine_lr  # the pathswarm peer's schedule, so both train alike
+from peer.data.batches import PathBatches
+from peer.data.sources import load_documents
+from peer.model.transformer import PathModel
+from peer.run.rebuild import check_tokenizer, make_route
+from peer.run.record import load_verified_manifest
+from peer.seeding import stable_seed
+from peer.training.inner import inner_step, tokens_in  # the pathswarm peer's step: both train alike
 
 logger = logging.getLogger("hivemind_peer")
 READY_KEY = "wan_hivemind_ready"
@@ -147,16 +149,11 @@ def train(args: argparse.Namespace, m, run_id: str, dht, opt, model: PathModel, 
     tx_round, epoch = tx_bytes(), opt.local_epoch
     while step < args.max_steps and not stop.is_set():
         batch = next(batches)
-        for group in opt.param_groups:
-            group["lr"] = m.inner.lr * _cosine_lr(step, m.inner.warmup_steps, m.inner.total_steps)
-        loss = model.loss(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), m.inner.grad_clip_norm)
-        opt.step()
-        opt.zero_grad()
+        # the schedule sets the wrapped torch optimizer's lr: hivemind's param_groups are copies
+        lr_groups = opt.state_averager.optimizer.param_groups
+        losses.append(inner_step(model, opt, batch, m.inner, step, lr_groups=lr_groups))
         step += 1
-        tokens_total += batch.shape[0] * (batch.shape[1] - 1)
-        losses.append(loss.item())
+        tokens_total += tokens_in(batch)
         if opt.local_epoch != epoch:  # the swarm finished an epoch: an averaging round began
             epoch, tx_now = opt.local_epoch, tx_bytes()
             history.append(history_entry(step, epoch, losses, tokens_total, tx_now - tx_round, started))
@@ -177,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.torch_threads)
-    record = load_record(args.manifest_path)
-    m = verify_record(record)
+    m, record = load_verified_manifest(args.manifest_path)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # a plain hivemind DHT: hivemind.Optimizer signs its progress records with the process-wide key,

@@ -58,13 +58,15 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.netlab import CPU_CGROUP_ROOT, Host, NetLab, can_limit_threads, can_make_namespaces
 from peer.checkpoint import load_latest_checkpoint
+from peer.codecs.specs import CODEC_NAMES, codec_spec
 from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig
-from peer.data import DatasetSpec, eval_documents
-from peer.eval import evaluate
-from peer.manifest import save_record, sign_manifest
-from peer.model import ModelConfig, PathModel, count_parameters
-from peer.run_setup import build_manifest
-from peer.tokenizer import load_tokenizer
+from peer.data.sources import DatasetSpec, eval_documents
+from peer.model.grid import ModelConfig
+from peer.model.tokenizer import load_tokenizer
+from peer.model.transformer import PathModel, count_parameters
+from peer.offline.evaluation import evaluate
+from peer.run.create import build_manifest
+from peer.run.record import save_record, sign_manifest
 
 CONFIGS = ("no_sync", "diloco_fp32", "streaming_4bit", "hivemind_optimizer")
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fragments", type=int, default=4, help="P of streaming_4bit")
     p.add_argument("--overlap_steps", type=int, default=None, help="τ of streaming_4bit (default: derived)")
     p.add_argument("--mixing_alpha", type=float, default=0.5, help="α of streaming_4bit")
-    p.add_argument("--codec", default="nf4", choices=["nf4", "e3m0", "int8", "fp16", "fp32"])
+    p.add_argument("--codec", default="nf4", choices=CODEC_NAMES)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--d_model", type=int, default=256)
@@ -189,7 +191,7 @@ def derive_tau(args: argparse.Namespace, runs: dict[str, dict], model_bytes: int
     # transfer at the cap; what is left of the blocking sync is matchmaking, latency and stragglers
     transfer_full = full["wire_bytes_per_round"] / (args.cap_mbit * 1e6 / 8)
     latency = max(0.0, sync_full - transfer_full)
-    ratio = 32 / 4.5 if args.codec in ("nf4", "e3m0") else {"int8": 4.0, "fp16": 2.0}.get(args.codec, 1.0)
+    ratio = 4 / codec_spec(args.codec).wire_bytes_per_value
     fragment_sync = latency + transfer_full / (args.fragments * ratio)
     tau = max(1, min(limit, math.ceil(2.0 * fragment_sync / step)))
     why.update(step_seconds=step, sync_seconds_diloco=sync_full, transfer_seconds_diloco=transfer_full,
@@ -563,7 +565,7 @@ def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]
     between a streaming peer's global copy and its local model at the end (same bytes for both)."""
     from hivemind.compression import CompressionInfo
 
-    from peer.codecs import E3M0Codec, NF4Codec
+    from peer.codecs.formats import E3M0Codec, NF4Codec
 
     parts = []
     for key, value in tensors.items():

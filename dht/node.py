@@ -22,14 +22,11 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.validators import RecordSchemaValidator
+from peer.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-
-
-class SwarmError(RuntimeError):
-    """A problem joining or talking to the swarm, worded for the person running the peer."""
 
 
 def load_identity(identity_path: str | os.PathLike | None) -> RSAPrivateKey:

@@ -15,6 +15,8 @@ _MODULE_ID = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
 
 
 class Record(BaseModel):
+    """Base of every record: versioned, frozen, tolerant of fields added by newer peers."""
+
     model_config = ConfigDict(extra="allow", frozen=True)
 
     version: int = Field(1, ge=1)

@@ -26,6 +26,8 @@ _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
 class RecordSchemaValidator(RecordValidatorBase):
+    """Refuses records under pathswarm's keys that are unowned, malformed or live too long."""
+
     def __init__(self, run_name: str, run_id: str | None, max_ttl_seconds: float = MAX_RECORD_TTL_SECONDS):
         self.max_ttl_seconds = max_ttl_seconds
         self._schema_by_key = {

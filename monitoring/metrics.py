@@ -37,6 +37,8 @@ def _package_version(name: str) -> str:
 
 
 class NetBytes(NamedTuple):
+    """Host-wide bytes sent and received since boot."""
+
     sent: int
     received: int
 

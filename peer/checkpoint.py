@@ -30,6 +30,7 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
+from peer.errors import PathswarmError
 from peer.faults import fault_point
 
 FORMAT = "pathswarm-checkpoint"
@@ -65,7 +66,7 @@ _active_lock = threading.Lock()
 _active_temps: set[Path] = set()
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PathswarmError, RuntimeError):
     """A checkpoint could not be written (disk full, bad input); the previous checkpoints are untouched."""
 
 

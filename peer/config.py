@@ -17,13 +17,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dht.keys import check_run_name
-from peer.data import DatasetSpec
-from peer.model import ModelConfig
+from peer.codecs.specs import CODEC_NAMES, CODEC_SPECS
+from peer.data.sources import DatasetSpec
+from peer.errors import ConfigError
+from peer.model.grid import ModelConfig
 
 MANIFEST_FORMAT_VERSION = 1
 
 
 class _Frozen(BaseModel):
+    """Immutable, and refusing unknown fields: parts of a signed manifest."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -53,9 +57,10 @@ class OuterOptimizerConfig(_Frozen):
 class SyncConfig(_Frozen):
     """How holders of a module average their outer gradients (Streaming DiLoCo when fragments > 1)."""
 
-    codec: Literal["fp32", "fp16", "int8", "nf4", "e3m0"] = "fp32"
-    #: the hivemind compression slot the codec occupies (peer/codecs.py); filled in from the codec,
-    #: and a manifest whose slot differs from this version's is refused
+    codec: str = "fp32"
+    #: the hivemind compression slot the codec occupies (peer/codecs/specs.py), filled in from the
+    #: codec when the run is created; the sync layer refuses a run whose slot differs from this
+    #: version's (peer/sync/path_sync.py)
     codec_slot: str = ""
     fragments: int = Field(1, ge=1, le=64, description="P: fragments per module, synced H/P steps apart")
     overlap_steps: int = Field(0, ge=0, description="τ: inner steps an all-reduce may overlap")
@@ -69,18 +74,19 @@ class SyncConfig(_Frozen):
     #: (peer/scheduler/groups.py); 0 = one group of all holders
     max_group_size: int = Field(0, ge=0)
 
+    @field_validator("codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if v not in CODEC_SPECS:
+            raise ValueError(f"unknown codec {v!r}; choose one of {', '.join(CODEC_NAMES)}")
+        return v
+
     @model_validator(mode="before")
     @classmethod
-    def _slot(cls, data: Any) -> Any:
-        from peer.codecs import codec_slot
-
-        if isinstance(data, dict):
-            codec = data.get("codec", "fp32")
-            slot = data.get("codec_slot") or ""
-            if codec in ("fp32", "fp16", "int8", "nf4", "e3m0"):
-                if slot and slot != codec_slot(codec):
-                    raise ValueError(f"codec {codec} uses slot {codec_slot(codec)} here, the run says {slot}")
-                data = {**data, "codec_slot": codec_slot(codec)}
+    def _fill_slot(cls, data: Any) -> Any:
+        codec = data.get("codec", "fp32") if isinstance(data, dict) else None
+        if codec in CODEC_SPECS and not data.get("codec_slot"):
+            data = {**data, "codec_slot": CODEC_SPECS[codec].hivemind_slot}
         return data
 
 
@@ -188,6 +194,25 @@ class PeerConfig(BaseModel):
             raise ValueError(f"device must be auto, cpu or cuda[:N], not {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _consistent(self) -> PeerConfig:
+        if not self.initial_peers and not self.new_swarm:
+            raise ValueError("give --initial_peers of a running peer, or --new_swarm to start a new swarm")
+        if self.new_swarm and self.manifest_path is None:
+            raise ValueError(
+                "--new_swarm needs --manifest_path: nobody else can give this peer the run manifest"
+            )
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint_dir")
+        wants_cuda = self.device.startswith("cuda") or self.inner_optimizer == "adamw8bit"
+        if wants_cuda and not _cuda_available():
+            if self.device.startswith("cuda"):
+                raise ValueError(f"--device {self.device}: CUDA is not available on this machine")
+            raise ValueError("--inner_optimizer adamw8bit needs a CUDA device (bitsandbytes 8-bit AdamW)")
+        if self.inner_optimizer == "adamw8bit" and self.device == "cpu":
+            raise ValueError("--inner_optimizer adamw8bit needs a CUDA device, not --device cpu")
+        return self
+
     @property
     def run_name(self) -> str:
         return self.run.partition("@")[0]
@@ -197,8 +222,10 @@ class PeerConfig(BaseModel):
         return self.run.partition("@")[2] or None
 
 
-class ConfigError(ValueError):
-    """A configuration problem, reported as one line."""
+def _cuda_available() -> bool:
+    import torch  # only for settings that need a GPU: the config tree stays light to import
+
+    return torch.cuda.is_available()
 
 
 ENV_PREFIX = "PATHSWARM_"
@@ -234,8 +261,9 @@ def _file_values(path: Path) -> dict[str, Any]:
 def one_line(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "config"
-        parts.append(f"{where}: {err['msg']}")
+        where = ".".join(str(x) for x in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
 
 

@@ -53,6 +53,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class FaultRule:
+    """One parsed entry of PATHSWARM_FAULTS: at `point`, do `action` (every hit, or hit `nth`)."""
+
     point: str
     action: str  # one of ACTIONS
     seconds: float = 0.0  # only for "stall"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hivemind.compression import Uniform8BitQuantization
 
-from peer.averaging import ModuleAverager
+from peer.sync.averager import ModuleAverager
 
 NUMEL = 6077
 

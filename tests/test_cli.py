@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from peer.config import ConfigError, load_peer_config
+from peer.config import load_peer_config
+from peer.errors import ConfigError
 
 # A syntactically valid peer id nobody listens for; port 9 (discard) on loopback refuses connections.
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWHfCtvv1gqbmabwi5t3oxoBJbyV2qjrUqV8SjegRnavq2"

@@ -10,17 +10,18 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.checkpoint import save_checkpoint
-from peer.cli_model import register
+from peer.cli.model_commands import register
 from peer.config import InnerOptimizerConfig
-from peer.data import DatasetSpec, load_documents, split_of
-from peer.eval import assemble_grid
-from peer.experiment import shard
-from peer.inference import load_exported
-from peer.manifest import save_record, sign_manifest
-from peer.model import ModelConfig, path_from_index, path_module_ids
-from peer.run_setup import build_manifest, make_route
-from peer.simulate import DipacoSim, SimConfig
-from peer.tokenizer import ByteTokenizer
+from peer.data.sources import DatasetSpec, load_documents, split_of
+from peer.model.grid import ModelConfig, path_from_index, path_module_ids
+from peer.model.tokenizer import ByteTokenizer
+from peer.offline.experiment import shard
+from peer.offline.grid_checkpoints import assemble_grid
+from peer.offline.inference import load_exported
+from peer.offline.simulate import DipacoSim, SimConfig
+from peer.run.create import build_manifest
+from peer.run.rebuild import make_route
+from peer.run.record import save_record, sign_manifest
 
 
 @pytest.fixture(scope="module")

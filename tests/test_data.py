@@ -13,17 +13,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from peer.corpus import DOMAINS, MAX_CHARS, MIN_CHARS, generate_documents, write_corpus
-from peer.data import (
-    DatasetSpec,
-    PathBatches,
-    encode_document,
-    eval_documents,
-    load_documents,
-    shard_documents,
-    split_of,
-)
-from peer.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
+from peer.data.batches import PathBatches, encode_document, shard_documents
+from peer.data.corpus import DOMAINS, MAX_CHARS, MIN_CHARS, generate_documents, write_corpus
+from peer.data.sources import DatasetSpec, eval_documents, load_documents, split_of
+from peer.errors import ConfigError
+from peer.model.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +105,7 @@ def test_corpus_shape_and_domains():
 
 def test_corpus_identical_across_processes(tmp_path):
     code = (
-        "import hashlib, sys; from peer.corpus import write_corpus; "
+        "import hashlib, sys; from peer.data.corpus import write_corpus; "
         "paths = write_corpus(sys.argv[1], 300, 7); "
         "print(hashlib.sha256(b''.join(p.read_bytes() for p in paths)).hexdigest())"
     )
@@ -197,7 +191,7 @@ def test_local_files_load(tmp_path):
 
 def test_missing_files_error(tmp_path):
     spec = DatasetSpec(kind="json", data_files=[str(tmp_path / "nothing-*.jsonl")])
-    with pytest.raises(FileNotFoundError, match="matches no file"):
+    with pytest.raises(ConfigError, match="matches no file"):
         load_documents(spec)
 
 
@@ -208,7 +202,7 @@ def test_split_of_deterministic():
     assert splits == [split_of(t, 0.1) for t in texts]
     assert 50 <= splits.count("eval") <= 150
     code = (
-        "from peer.corpus import generate_documents; from peer.data import split_of; "
+        "from peer.data.corpus import generate_documents; from peer.data.sources import split_of; "
         "print(''.join(split_of(d['text'], 0.1)[0] for d in generate_documents(1000, 0)))"
     )
     assert _run(code).strip() == "".join(s[0] for s in splits)

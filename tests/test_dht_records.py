@@ -9,12 +9,14 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import claims_key, manifest_key
-from dht.node import SwarmError, owner_subkey
+from dht.node import owner_subkey
 from dht.schema import ClaimRecord
-from peer.claims import choose_path, live_claims, publish_claim, should_move
 from peer.config import RunManifest
-from peer.manifest import fetch_manifest, publish_record, sign_manifest, verify_record
-from peer.model import ModelConfig
+from peer.errors import SwarmError
+from peer.model.grid import ModelConfig
+from peer.run.record import sign_manifest, verify_record
+from peer.swarm.claims import choose_path, live_claims, publish_claim, should_move
+from peer.swarm.manifest import fetch_manifest, publish_record
 
 RUN = "testrun"
 RUN_ID = "ab" * 32

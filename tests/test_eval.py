@@ -10,13 +10,16 @@ import torch
 
 from peer.checkpoint import save_checkpoint
 from peer.config import InnerOptimizerConfig, RunManifest
-from peer.corpus import generate_documents
-from peer.data import encode_document, split_of
-from peer.eval import assemble_grid, evaluate, score_documents, windows
-from peer.experiment import DipacoOptions, run_dipaco
-from peer.model import GridModel, ModelConfig, PathModel, all_module_ids, path_from_index
-from peer.simulate import SimConfig
-from peer.tokenizer import ByteTokenizer
+from peer.data.batches import encode_document
+from peer.data.corpus import generate_documents
+from peer.data.sources import split_of
+from peer.model.grid import ModelConfig, all_module_ids, path_from_index
+from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import GridModel, PathModel
+from peer.offline.evaluation import evaluate, score_documents, windows
+from peer.offline.experiment import DipacoOptions, run_dipaco
+from peer.offline.grid_checkpoints import assemble_grid
+from peer.offline.simulate import SimConfig
 
 SMALL = dict(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
 

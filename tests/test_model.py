@@ -6,20 +6,13 @@ from __future__ import annotations
 import torch
 
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest
-from peer.inference import export_path, generate, load_exported
-from peer.model import (
-    GridModel,
-    ModelConfig,
-    PathModel,
-    all_paths,
-    build_module,
-    parameter_map,
-    path_from_index,
-    path_module_ids,
-)
-from peer.routing import fit_router, prefix_features
-from peer.simulate import DipacoSim, SimConfig, dense_config, warm_start_modules
-from peer.tokenizer import ByteTokenizer
+from peer.model.grid import ModelConfig, all_paths, path_from_index, path_module_ids
+from peer.model.route import prefix_features
+from peer.model.router import fit_router
+from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import GridModel, PathModel, build_module, parameter_map
+from peer.offline.inference import export_path, generate, load_exported
+from peer.offline.simulate import DipacoSim, SimConfig, dense_config, warm_start_modules
 
 SMALL = dict(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
 

@@ -11,18 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.corpus import generate_documents
-from peer.data import encode_document, shard_documents
-from peer.model import ModelConfig, PathModel, all_paths, path_index
-from peer.routing import (
-    Router,
-    balance_bias,
-    discriminative_relabel,
-    fit_router,
-    prefix_features,
-    route_function,
-)
-from peer.tokenizer import ByteTokenizer
+from peer.data.batches import encode_document, shard_documents
+from peer.data.corpus import generate_documents
+from peer.model.grid import ModelConfig, all_paths, path_index
+from peer.model.route import prefix_features, route_function
+from peer.model.router import Router, balance_bias, discriminative_relabel, fit_router
+from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import PathModel
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig()  # tiny: 2x2 grid, d_model 64, byte vocabulary
@@ -37,11 +32,13 @@ def builtin_features(n_docs: int = 2000) -> torch.Tensor:
 
 ROUTE_SCRIPT = """
 import json
-from peer.corpus import generate_documents
-from peer.data import encode_document
-from peer.model import ModelConfig, PathModel
-from peer.routing import fit_router, prefix_features
-from peer.tokenizer import ByteTokenizer
+from peer.data.corpus import generate_documents
+from peer.data.batches import encode_document
+from peer.model.grid import ModelConfig
+from peer.model.transformer import PathModel
+from peer.model.route import prefix_features
+from peer.model.router import fit_router
+from peer.model.tokenizer import ByteTokenizer
 
 tok = ByteTokenizer()
 model = PathModel(ModelConfig(), (0, 0), seed=0)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from peer.cli_schedule import register
+from peer.cli.schedule import register
 from peer.scheduler import (
     Assignment,
     GridSpec,

@@ -10,13 +10,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.schema import ClaimRecord, ProbeRecord
 from peer.checkpoint import load_latest_checkpoint
+from peer.cli.local_swarm import LocalSwarm
 from peer.config import InnerOptimizerConfig, SyncConfig
-from peer.data import DatasetSpec
-from peer.local_swarm import LocalSwarm
-from peer.manifest import save_record, sign_manifest
-from peer.model import TRUNK, ModelConfig
-from peer.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
-from peer.run_setup import build_manifest
+from peer.data.sources import DatasetSpec
+from peer.model.grid import TRUNK, ModelConfig
+from peer.run.create import build_manifest
+from peer.run.record import save_record, sign_manifest
+from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
 
 RUN = "plantest"
 

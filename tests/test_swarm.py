@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,13 @@ from safetensors.torch import load_file
 
 from dht.node import start_dht
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
-from peer.claims import live_claims
+from peer.cli.local_swarm import LocalSwarm
 from peer.config import InnerOptimizerConfig, SyncConfig
-from peer.data import DatasetSpec
-from peer.local_swarm import LocalSwarm
-from peer.manifest import save_record, sign_manifest
-from peer.model import ModelConfig
-from peer.run_setup import build_manifest
+from peer.data.sources import DatasetSpec
+from peer.model.grid import ModelConfig
+from peer.run.create import build_manifest
+from peer.run.record import save_record, sign_manifest
+from peer.swarm.claims import live_claims
 
 RUN = "swarmtest"
 

@@ -32,6 +32,7 @@ from typing import Literal
 
 import numpy as np
 
+from peer.errors import ConfigError
 from peer.scheduler.snapshot import GridSpec, SwarmSnapshot
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
@@ -141,7 +142,7 @@ def _instances(n: int, sizes: list[int], inside_gbps: float, between_gbps: float
 def scenario_matrices(name: str, n_peers: int, seed: int = 0) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(peer ids, latency seconds, bandwidth bytes/s) of a named scenario with n_peers peers."""
     if n_peers < 1:
-        raise ValueError(f"--peers must be >= 1, got {n_peers}")
+        raise ConfigError(f"--peers must be >= 1, got {n_peers}")
     if name == "datacenter_on_demand":
         return _instances(n_peers, [8] * math.ceil(n_peers / 8), 100.0, 25.0)
     if name == "datacenter_spot":
@@ -163,7 +164,7 @@ def scenario_matrices(name: str, n_peers: int, seed: int = 0) -> tuple[list[str]
         jitter = jitter + jitter.T
         return ids, lat * jitter, bw * jitter
     known = ", ".join(SCENARIOS + EXTRA_SCENARIOS)
-    raise ValueError(f"unknown scenario {name!r}; known: {known} or a .json file")
+    raise ConfigError(f"unknown scenario {name!r}; known: {known} or a .json file")
 
 
 def make_scenario(
@@ -180,7 +181,7 @@ def make_scenario(
     if compute == "mixed":
         tps = tps * np.random.default_rng(seed).choice([0.5, 1.0, 1.0, 2.0], size=n_peers)
     elif compute != "uniform":
-        raise ValueError(f"compute must be 'uniform' or 'mixed', got {compute!r}")
+        raise ConfigError(f"compute must be 'uniform' or 'mixed', got {compute!r}")
     mem = np.full(n_peers, V100_MEMORY_BYTES)
     return SwarmSnapshot.from_matrices(ids, lat, bw, grid or paper_grid(), tps, mem)
 
@@ -198,61 +199,61 @@ def load_scenario_json(path: str | Path, grid: GridSpec | None = None) -> SwarmS
     try:
         text = path.read_text()
     except OSError as e:
-        raise ValueError(f"{where}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
     try:
         data = json.loads(text, parse_constant=lambda c: _refuse(where, c))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a JSON object with peers and matrices")
+        raise ConfigError(f"{where}: expected a JSON object with peers and matrices")
     for key in ("peers", "latency_seconds", "bandwidth_bytes_per_second"):
         if key not in data:
-            raise ValueError(f"{where}: missing field {key!r}")
+            raise ConfigError(f"{where}: missing field {key!r}")
     peers = data["peers"]
     if not isinstance(peers, list) or not peers or not all(isinstance(p, str) and p for p in peers):
-        raise ValueError(f"{where}: 'peers' must be a non-empty list of non-empty strings")
+        raise ConfigError(f"{where}: 'peers' must be a non-empty list of non-empty strings")
     if len(set(peers)) != len(peers):
-        raise ValueError(f"{where}: 'peers' has duplicate ids")
+        raise ConfigError(f"{where}: 'peers' has duplicate ids")
     n = len(peers)
     matrices = {}
     for key in ("latency_seconds", "bandwidth_bytes_per_second"):
         m = data[key]
         if not isinstance(m, list) or len(m) != n or not all(isinstance(r, list) and len(r) == n for r in m):
-            raise ValueError(f"{where}: '{key}' must be a square {n}x{n} matrix (one row per peer)")
+            raise ConfigError(f"{where}: '{key}' must be a square {n}x{n} matrix (one row per peer)")
         matrices[key] = _numbers(m, where, key)
     vectors = {}
     for key in ("tokens_per_second", "memory_bytes"):
         v = data.get(key)
         if v is not None and (not isinstance(v, list) or len(v) != n):
-            raise ValueError(f"{where}: '{key}' must be a list of {n} values (one per peer)")
+            raise ConfigError(f"{where}: '{key}' must be a list of {n} values (one per peer)")
         vectors[key] = None if v is None else _numbers(v, where, key)
     lat, bw = matrices["latency_seconds"], matrices["bandwidth_bytes_per_second"]
     off = ~np.eye(n, dtype=bool)
     if np.any(lat[~np.isnan(lat)] < 0):
-        raise ValueError(f"{where}: 'latency_seconds' has a negative value")
+        raise ConfigError(f"{where}: 'latency_seconds' has a negative value")
     if np.any(bw[off & ~np.isnan(bw)] <= 0):
-        raise ValueError(f"{where}: 'bandwidth_bytes_per_second' must be > 0 between distinct peers")
+        raise ConfigError(f"{where}: 'bandwidth_bytes_per_second' must be > 0 between distinct peers")
     tps = vectors["tokens_per_second"]
     if tps is not None and np.any(tps[~np.isnan(tps)] <= 0):
-        raise ValueError(f"{where}: 'tokens_per_second' must be > 0")
+        raise ConfigError(f"{where}: 'tokens_per_second' must be > 0")
     mem = vectors["memory_bytes"]
     if mem is not None and np.any(mem[~np.isnan(mem)] < 0):
-        raise ValueError(f"{where}: 'memory_bytes' must be >= 0")
+        raise ConfigError(f"{where}: 'memory_bytes' must be >= 0")
     return SwarmSnapshot.from_matrices(peers, lat, bw, grid or paper_grid(), tps, mem)
 
 
 def _refuse(where: str, constant: str):
-    raise ValueError(f"{where}: {constant} is not a measurement (use null for a missing value)")
+    raise ConfigError(f"{where}: {constant} is not a measurement (use null for a missing value)")
 
 
 def _numbers(values: list, where: str, key: str) -> np.ndarray:
     flat = values if not values or not isinstance(values[0], list) else [x for r in values for x in r]
     for x in flat:
         if x is not None and (isinstance(x, bool) or not isinstance(x, int | float)):
-            raise ValueError(f"{where}: '{key}' holds {x!r}, not a number or null")
+            raise ConfigError(f"{where}: '{key}' holds {x!r}, not a number or null")
     arr = np.array([np.nan if x is None else float(x) for x in flat], dtype=float)
     if np.any(np.isinf(arr)):
-        raise ValueError(f"{where}: '{key}' holds an infinite value")
+        raise ConfigError(f"{where}: '{key}' holds an infinite value")
     return arr.reshape(len(values), -1) if flat is not values else arr
 
 
@@ -269,7 +270,7 @@ def load_scenario(
         snap = load_scenario_json(name_or_file, grid)
         if n_peers is not None:
             if n_peers > snap.n_peers:
-                raise ValueError(f"--peers {n_peers}: scenario file has only {snap.n_peers} peers")
+                raise ConfigError(f"--peers {n_peers}: scenario file has only {snap.n_peers} peers")
             snap = snap.subset(snap.peer_ids[:n_peers])
         return snap
     return make_scenario(name_or_file, 64 if n_peers is None else n_peers, grid, compute, seed)

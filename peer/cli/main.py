@@ -1,0 +1,39 @@
+"""The `pathswarm` command line: peer, bootstrap, run create, demo, eval, generate, export, schedule.
+
+Every subcommand is thin: parse, build, run, shut down in `finally`. A `PathswarmError` (a mistake the
+person running the command can fix) or an OS error is one line on stderr and exit status 2; anything
+else is a bug and keeps its traceback. SIGTERM and Ctrl-C let a peer finish its step and checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from peer.cli import demo, model_commands, run_commands, schedule, swarm_commands
+from peer.cli.common import Handler
+from peer.errors import PathswarmError
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
+    parser = argparse.ArgumentParser(prog="pathswarm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, Handler] = {}
+    for module in (swarm_commands, run_commands, demo, model_commands, schedule):
+        commands.update(module.register(sub))
+    return parser, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return commands[args.command](args)
+    except (PathswarmError, OSError) as e:
+        text = str(e).splitlines()[0] if str(e) else repr(e)
+        print(f"pathswarm {args.command}: error: {text}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

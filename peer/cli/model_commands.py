@@ -1,0 +1,194 @@
+"""`pathswarm eval | generate | export`: what to do with a trained grid, from peers' checkpoints.
+
+`register(subparsers)` adds the subcommands to the main parser and returns their handlers. Every
+handler takes the signed manifest file and the checkpoint folders of the peers, rebuilds the grid
+from their global copies (`peer.offline.grid_checkpoints`) and needs no swarm. Errors a user can fix
+are `ConfigError`s with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+from pathlib import Path
+
+from peer.cli.common import Handler
+from peer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> dict[str, Handler]:
+    e = subparsers.add_parser("eval", help="composite perplexity of a grid from peers' checkpoints, vs dense")
+    _source_flags(e)
+    e.add_argument("--max_docs", type=int, default=None, help="evaluate at most this many held-out documents")
+    e.add_argument(
+        "--baseline_steps",
+        type=int,
+        default=None,
+        help="train the dense path-size baseline this many steps (default: the checkpoints' steps; 0: skip)",
+    )
+    e.add_argument("--batch_size", type=int, default=None, help="baseline batch size (default: the peers')")
+    e.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+    g = subparsers.add_parser("generate", help="sample a continuation from the path the prompt routes to")
+    _source_flags(g, required=False)
+    g.add_argument("--exported", type=Path, default=None, help="a folder written by `pathswarm export`")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max_new_tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top_k", type=int, default=40)
+    g.add_argument("--seed", type=int, default=0)
+
+    x = subparsers.add_parser("export", help="write one path as model.safetensors + config.json")
+    _source_flags(x)
+    x.add_argument("--path", required=True, help="path index or one module index per level (e.g. 1,0)")
+    x.add_argument("--out", type=Path, required=True)
+    return {"eval": cmd_eval, "generate": cmd_generate, "export": cmd_export}
+
+
+def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--manifest_path", type=Path, required=required, help="the run's signed manifest file")
+    p.add_argument(
+        "--checkpoints", type=Path, nargs="+", required=required, help="checkpoint folders of the run's peers"
+    )
+
+
+def load_manifest(path: Path):
+    from peer.run.record import load_verified_manifest
+
+    return load_verified_manifest(path)[0]
+
+
+def _checkpoint_batch_size(ckpts, seq_len: int) -> int | None:
+    sizes = [
+        round(c.meta["tokens_total"] / c.meta["step"] / seq_len)
+        for c in ckpts
+        if c.meta.get("tokens_total") and c.meta.get("step")
+    ]
+    return max(1, round(statistics.median(sizes))) if sizes else None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from peer.data.sources import eval_documents, load_documents, split_of
+    from peer.model.grid import path_from_index
+    from peer.offline.evaluation import evaluate
+    from peer.offline.grid_checkpoints import assemble_grid, read_checkpoints
+    from peer.offline.simulate import DenseTrainer, SimConfig
+    from peer.run.rebuild import check_tokenizer, make_route
+
+    if args.max_docs is not None and args.max_docs < 1:
+        raise ConfigError("--max_docs must be >= 1")
+    manifest = load_manifest(args.manifest_path)
+    ckpts = read_checkpoints(manifest, args.checkpoints)
+    grid = assemble_grid(manifest, ckpts)
+    tok = check_tokenizer(manifest)
+    route = make_route(manifest)
+    docs = eval_documents(manifest.dataset, limit=args.max_docs)
+    if not docs:
+        raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
+    result = evaluate(grid, docs, tok, route, context=manifest.seq_len)
+
+    steps = (
+        args.baseline_steps if args.baseline_steps is not None else max(int(c.meta["step"]) for c in ckpts)
+    )
+    if steps < 0:
+        raise ConfigError("--baseline_steps must be >= 0")
+    dense = None
+    if steps:
+        batch_size = args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8
+        train = [t for t in load_documents(manifest.dataset) if split_of(t, manifest.dataset) == "train"]
+        cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
+        print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
+        # The peers' cosine runs over manifest.inner.total_steps; the baseline follows the same one.
+        model = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps)).train(steps)
+        dense = evaluate(model, docs, tok, route, context=manifest.seq_len)
+
+    rows = [("path", "docs", "tokens", "dipaco ppl", "dense ppl")]
+    for p, s in sorted(result.per_path.items()):
+        dense_ppl = f"{dense.per_path[p].ppl:.3f}" if dense else "-"
+        label = f"{p} {','.join(map(str, path_from_index(manifest.model, p)))}"
+        rows.append((label, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl))
+    rows.append(
+        (
+            "all",
+            str(result.docs),
+            str(result.tokens),
+            f"{result.ppl:.3f}",
+            f"{dense.ppl:.3f}" if dense else "-",
+        )
+    )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    ratio = result.ppl / dense.ppl if dense else math.nan
+    if dense:
+        print(f"composite / dense perplexity: {ratio:.3f} (dense baseline: {steps} steps)")
+    if args.json is not None:
+        out = dict(
+            run_id=manifest.run_id,
+            composite=result.to_dict(),
+            dense=dense.to_dict() if dense else None,
+            baseline_steps=steps,
+            ratio=ratio if dense else None,
+            checkpoints=[
+                dict(
+                    directory=str(c.directory),
+                    path=c.meta.get("path"),
+                    step=c.meta.get("step"),
+                    outer_round=c.meta.get("outer_round"),
+                )
+                for c in ckpts
+            ],
+        )
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from peer.model.grid import path_from_index
+    from peer.offline.grid_checkpoints import assemble_grid
+    from peer.offline.inference import exported_tokenizer, generate, load_exported, read_export_config
+    from peer.run.rebuild import check_tokenizer, make_route
+
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+    )
+    if args.exported is not None:
+        if args.manifest_path is not None or args.checkpoints:
+            raise ConfigError("give either --exported or --manifest_path with --checkpoints, not both")
+        model = load_exported(args.exported)
+        tok = exported_tokenizer(args.exported)
+        context = read_export_config(args.exported).get("seq_len")
+        out = generate(model, None, tok, args.prompt, context_len=context, **sampling)
+    else:
+        if args.manifest_path is None or not args.checkpoints:
+            raise ConfigError("give --manifest_path and --checkpoints, or --exported")
+        manifest = load_manifest(args.manifest_path)
+        tok = check_tokenizer(manifest)
+        # Route first, so only the chosen path's modules have to be in the checkpoints.
+        ids = [tok.bos_id, *tok.encode(args.prompt)]
+        path = path_from_index(manifest.model, int(make_route(manifest)([ids])[0]))
+        grid = assemble_grid(manifest, args.checkpoints, paths=[path])
+        out = generate(
+            grid.path_model(path), None, tok, args.prompt, context_len=manifest.seq_len, **sampling
+        )
+    print(f"[path {out.path_index} {','.join(map(str, out.path))}]")
+    print(args.prompt + out.text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from peer.model.grid import parse_path
+    from peer.offline.grid_checkpoints import assemble_grid
+    from peer.offline.inference import export_path
+
+    manifest = load_manifest(args.manifest_path)
+    path = parse_path(manifest.model, args.path)
+    grid = assemble_grid(manifest, args.checkpoints, paths=[path])
+    out = export_path(grid, path, args.out, manifest)
+    print(f"exported path {','.join(map(str, path))} of run {manifest.name} to {out}")
+    return 0

@@ -1,0 +1,79 @@
+"""`pathswarm run create`: fit a run's router, sign its manifest, write it and publish it.
+
+The flags are the fields of `peer.run.create.RunOptions` (plus where to write and publish); the
+whole path from flags to manifest is `manifest_from_options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from peer.cli.common import Handler, add_swarm_flags, setup_logging
+from peer.codecs.specs import CODEC_NAMES
+from peer.model.grid import PRESETS
+
+#: flags of `run create` that are not choices about the run itself
+_OUTPUT_FLAGS = ("out", "no_publish", "initial_peers", "host_maddrs", "announce_maddrs", "identity_path")
+
+
+def register(subparsers) -> dict[str, Handler]:
+    p = subparsers.add_parser("run", help="create runs")
+    rsub = p.add_subparsers(dest="run_command", required=True)
+    c = rsub.add_parser("create", help="fit the router, sign a run manifest, write and publish it")
+    add_swarm_flags(c)
+    c.add_argument("--name", required=True)
+    c.add_argument("--out", type=Path, required=True, help="where to write the signed manifest (JSON)")
+    c.add_argument("--preset", default="tiny", help=f"model size preset ({', '.join(PRESETS)})")
+    c.add_argument("--grid", default="2x2", help="LxK: levels x modules per level")
+    c.add_argument(
+        "--private_blocks", type=int, default=0, help="blocks per path kept private after the grid"
+    )
+    c.add_argument("--dataset", default="builtin", choices=["builtin", "text", "json", "parquet", "hub"])
+    c.add_argument("--data_files", nargs="*", default=[], help="local files or globs (text/json/parquet)")
+    c.add_argument("--dataset_name", default=None, help="hub dataset name (streamed), for --dataset hub")
+    c.add_argument("--text_field", default="text")
+    c.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json file")
+    c.add_argument("--seq_len", type=int, default=64)
+    c.add_argument("--inner_steps", type=int, default=50, help="H: inner steps per outer round")
+    c.add_argument("--codec", default="fp32", choices=CODEC_NAMES)
+    c.add_argument("--fragments", type=int, default=1, help="P: fragments per module (Streaming DiLoCo)")
+    c.add_argument("--overlap_steps", type=int, default=0, help="τ: inner steps a fragment sync may overlap")
+    c.add_argument("--mixing_alpha", type=float, default=0.5, help="α: local weight when merging after τ > 0")
+    c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--no_publish", action="store_true", help="only write the file")
+    return {"run": cmd_run_create}
+
+
+def cmd_run_create(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from dht.node import load_identity, start_dht
+    from peer.config import one_line
+    from peer.errors import ConfigError
+    from peer.run.create import RunOptions, manifest_from_options
+    from peer.run.record import save_record, sign_manifest
+    from peer.swarm.manifest import publish_record
+
+    setup_logging()
+    choices = {k: v for k, v in vars(args).items() if k not in ("command", "run_command", *_OUTPUT_FLAGS)}
+    try:
+        options = RunOptions(**choices)
+    except ValidationError as e:
+        raise ConfigError(one_line(e)) from None
+    manifest = manifest_from_options(options)
+    identity = getattr(args, "identity_path", None)
+    key = load_identity(identity)
+    record = sign_manifest(manifest, key)
+    save_record(record, args.out)
+    print(f"run {manifest.name} id {record.run_id}")
+    print(f"manifest written to {args.out}; peers join with --run {manifest.name}@{record.run_id[:16]}")
+    if not args.no_publish and getattr(args, "initial_peers", None):
+        dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity, client_mode=True)
+        try:
+            ok = publish_record(dht, key, record)
+            print("published to the DHT" if ok else "could not publish (peers can still use --manifest_path)")
+        finally:
+            dht.shutdown()
+    return 0

@@ -1,0 +1,100 @@
+"""`pathswarm peer` and `pathswarm bootstrap`: the processes a swarm is made of.
+
+`register(subparsers)` adds both subcommands and returns their handlers. A peer's flags are the
+fields of `PeerConfig`; they can also come from `--config FILE` or `PATHSWARM_<FLAG>` variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from pathlib import Path
+
+from peer.cli.common import Handler, add_swarm_flags, install_sigterm, logger, setup_logging
+
+
+def register(subparsers) -> dict[str, Handler]:
+    s = argparse.SUPPRESS
+    p = subparsers.add_parser("peer", help="join a run and train a path")
+    add_swarm_flags(p)
+    p.add_argument(
+        "--config", type=Path, default=None, help="TOML or JSON file of settings (flags override it)"
+    )
+    p.add_argument("--client_mode", action="store_true", default=s, help="do not accept incoming connections")
+    p.add_argument(
+        "--new_swarm", action="store_true", default=s, help="start a new swarm (no --initial_peers)"
+    )
+    p.add_argument("--run", default=s, help="run NAME or NAME@HASH")
+    p.add_argument("--manifest_path", default=s, help="signed manifest file to verify and publish")
+    p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
+    p.add_argument("--device", default=s, help="auto, cpu or cuda[:N]")
+    p.add_argument("--batch_size", type=int, default=s)
+    p.add_argument("--inner_optimizer", choices=["adamw", "adamw8bit"], default=s)
+    p.add_argument("--metrics_port", type=int, default=s, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics_host", default=s, help="address for /metrics (default 0.0.0.0)")
+    p.add_argument("--checkpoint_dir", default=s)
+    p.add_argument(
+        "--checkpoint_every_rounds", type=int, default=s, help="checkpoint every N outer rounds (default 1)"
+    )
+    p.add_argument("--keep_checkpoints", type=int, default=s, help="complete checkpoints kept (default 2)")
+    p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
+    p.add_argument("--max_rounds", type=int, default=s, help="stop after this many outer rounds")
+    p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
+    p.add_argument("--torch_threads", type=int, default=s)
+    p.add_argument("--heartbeat_seconds", type=float, default=s)
+    p.add_argument("--probe_file", default=s, help="JSON of injected probe values (tests, benchmarks)")
+    p.add_argument("--wait_for_peers", type=int, default=s, help="start training once N peers are ready")
+    p.add_argument("--log_level", default=s)
+
+    b = subparsers.add_parser("bootstrap", help="run a DHT-only node that other peers use to join")
+    add_swarm_flags(b)
+    b.add_argument(
+        "--manifest_path", type=Path, default=None, help="also keep this signed run alive in the DHT"
+    )
+    return {"peer": cmd_peer, "bootstrap": cmd_bootstrap}
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from peer.config import load_peer_config
+    from peer.training.peer import Peer
+
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    config = load_peer_config(values, args.config)
+    setup_logging(config.log_level)
+    logger.info(f"config: {config.model_dump_json()}")
+    peer = Peer(config)
+    install_sigterm(peer.request_stop)
+    try:
+        peer.start()
+        peer.run()
+    finally:
+        peer.close()
+    return 0
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from dht.node import start_dht, visible_maddrs
+    from peer.run.record import load_verified_manifest
+    from peer.swarm.manifest import publish_record
+
+    setup_logging()
+    record = None
+    if args.manifest_path is not None:
+        _, record = load_verified_manifest(args.manifest_path)
+    dht, key = start_dht(
+        initial_peers=getattr(args, "initial_peers", []),
+        host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
+        announce_maddrs=getattr(args, "announce_maddrs", []),
+        identity_path=getattr(args, "identity_path", None),
+    )
+    stop = threading.Event()
+    install_sigterm(stop.set)
+    try:
+        print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)
+        while not stop.is_set():
+            if record is not None:
+                publish_record(dht, key, record)
+            stop.wait(60)
+    finally:
+        dht.shutdown()
+    return 0

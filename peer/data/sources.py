@@ -1,0 +1,115 @@
+"""Where a run's documents come from, and which of them are held out.
+
+All sources go through Hugging Face `datasets` (the builtin toy corpus too), so a real run swaps in
+local text/json/parquet files or a hub dataset by changing the `DatasetSpec` alone. The train/eval
+split is a hash of each document, so every peer agrees on it without talking to the others.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from peer.data.corpus import generate_documents
+from peer.errors import ConfigError
+
+
+class DatasetSpec(BaseModel):
+    """Which documents a run trains on. Frozen: it is part of the signed run manifest."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["builtin", "text", "json", "parquet", "hub"] = "builtin"
+    data_files: list[str] = []
+    name: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    builtin_docs: int = Field(2000, ge=1)
+    seed: int = 0
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DatasetSpec:
+        local = self.kind in ("text", "json", "parquet")
+        if local and not self.data_files:
+            raise ValueError(f"dataset kind {self.kind!r} needs data_files (one or more paths or globs)")
+        if not local and self.data_files:
+            raise ValueError(f"data_files is only used with kind text/json/parquet, not {self.kind!r}")
+        if self.kind == "hub" and not self.name:
+            raise ValueError("dataset kind 'hub' needs a dataset name, e.g. name='HuggingFaceFW/fineweb-edu'")
+        if self.kind != "hub" and self.name is not None:
+            raise ValueError(
+                f"name is only used with kind 'hub', not {self.kind!r}; local files go in data_files"
+            )
+        return self
+
+
+def _expand(patterns: list[str]) -> list[str]:
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matched:
+            raise ConfigError(f"data_files pattern {pattern!r} matches no file")
+        files += [m for m in matched if Path(m).is_file() and m not in files]
+    # Sorted and deduplicated: every peer reads the same files in the same order.
+    return files
+
+
+def load_documents(spec: DatasetSpec, cache_dir: str | None = None) -> Iterable[str]:
+    """The documents of the spec as strings, in a fixed order. Local files are checked and loaded
+    right away (errors surface here, not at the first batch); a hub dataset is streamed lazily."""
+    import datasets  # heavy import, kept off the path of modules that only need DatasetSpec
+
+    if spec.kind == "builtin":
+        ds = datasets.Dataset.from_list(generate_documents(spec.builtin_docs, spec.seed))
+        return _texts(ds, "text")
+    if spec.kind == "hub":
+        ds = datasets.load_dataset(spec.name, split=spec.split, streaming=True, cache_dir=cache_dir)
+        return _texts(ds, spec.text_field)
+    files = _expand(spec.data_files)
+    if not files:
+        raise ConfigError(f"data_files {spec.data_files} match only folders, no files")
+    ds = datasets.load_dataset(spec.kind, data_files=files, split="train", cache_dir=cache_dir)
+    field = "text" if spec.kind == "text" else spec.text_field
+    if field not in ds.column_names:
+        raise ConfigError(
+            f"{spec.kind} files have no field {field!r} (fields: {ds.column_names}); set text_field"
+        )
+    return _texts(ds, field)
+
+
+def _texts(ds: Iterable[dict], field: str) -> Iterator[str]:
+    for row in ds:
+        text = row.get(field)
+        if text is None:
+            raise ConfigError(f"a document has no field {field!r} (fields: {sorted(row)}); set text_field")
+        # Blank lines of text files (and empty records) are not documents.
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+_SPLIT_SALT = b"pathswarm-split-v1\0"
+
+
+def split_of(text: str, spec: DatasetSpec | float) -> Literal["train", "eval"]:
+    """Train or eval, from a hash of the document alone: every peer and every run agree."""
+    fraction = spec if isinstance(spec, float | int) else spec.eval_fraction
+    digest = hashlib.sha256(_SPLIT_SALT + text.encode("utf-8")).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") < fraction * 2**64 else "train"
+
+
+def eval_documents(spec: DatasetSpec, limit: int | None = None, cache_dir: str | None = None) -> list[str]:
+    out: list[str] = []
+    if limit is not None and limit <= 0:
+        return out
+    for text in load_documents(spec, cache_dir=cache_dir):
+        if split_of(text, spec) == "eval":
+            out.append(text)
+            if limit is not None and len(out) >= limit:
+                break
+    return out

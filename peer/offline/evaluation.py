@@ -1,0 +1,170 @@
+"""Evaluation of a DiPaCo model as the paper does it.
+
+Each held-out document is routed by its first 32 tokens with the run's router and scored by that one
+path on the tokens after those 32 (the router saw them, so scoring them would flatter the routed
+path). Long documents are scored with a sliding window of the training context: every target token
+is scored exactly once, and all but the first window give it at least half a context of history.
+Perplexity is exp(total NLL / total scored tokens) over all documents, so long documents weigh by
+their length; per path the same sums are kept for the documents routed there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from peer.data.batches import encode_document
+from peer.model.grid import path_from_index
+from peer.model.route import Route, route_documents
+from peer.model.tokenizer import Tokenizer
+from peer.model.transformer import GridModel, PathModel
+
+#: tokens the router reads: never scored (DiPaCo scores what follows them)
+PREFIX_TOKENS = 32
+
+
+@dataclass
+class PathStats:
+    """Summed NLL and scored tokens of the documents routed to one path."""
+
+    docs: int = 0
+    tokens: int = 0
+    nll: float = 0.0
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
+
+
+@dataclass
+class EvalResult:
+    """Composite sums over all documents, and the same sums per path the documents were routed to."""
+
+    per_path: dict[int, PathStats] = field(default_factory=dict)
+
+    @property
+    def docs(self) -> int:
+        return sum(s.docs for s in self.per_path.values())
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.per_path.values())
+
+    @property
+    def nll(self) -> float:
+        return sum(s.nll for s in self.per_path.values())
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            ppl=self.ppl,
+            docs=self.docs,
+            tokens=self.tokens,
+            per_path={
+                str(p): dict(docs=s.docs, tokens=s.tokens, ppl=s.ppl)
+                for p, s in sorted(self.per_path.items())
+            },
+        )
+
+
+def windows(n_tokens: int, skip: int, context: int) -> list[tuple[int, int, int]]:
+    """(start, first, last): the model reads tokens[start : start + context] and the targets at document
+    positions first..last (inclusive) are scored. Positions below `skip` are never scored."""
+    if context < 2:
+        raise ValueError(f"context must be >= 2, got {context}")
+    stride = max(1, context // 2)
+    out, done = [], max(skip, 1) - 1  # every position <= done is scored or excluded
+    start = max(0, done + 1 - context)
+    while done < n_tokens - 1:
+        last = min(start + context, n_tokens - 1)
+        if last > done:
+            out.append((start, done + 1, last))
+            done = last
+        start += stride
+    return out
+
+
+@torch.no_grad()
+def score_documents(
+    model: PathModel,
+    token_lists: Sequence[Sequence[int]],
+    skip: int = PREFIX_TOKENS,
+    context: int | None = None,
+    batch_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nll sums float64, scored token counts int64), one entry per document."""
+    context = min(context or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    jobs = [(d, w) for d, toks in enumerate(token_lists) for w in windows(len(toks), skip, context)]
+    nll = torch.zeros(len(token_lists), dtype=torch.float64)
+    count = torch.zeros(len(token_lists), dtype=torch.int64)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for lo in range(0, len(jobs), batch_size):
+            batch = jobs[lo : lo + batch_size]
+            width = max(last - start for _, (start, _, last) in batch)
+            inputs = torch.zeros(len(batch), width, dtype=torch.long)
+            targets = torch.full((len(batch), width), -100, dtype=torch.long)
+            for row, (d, (start, first, last)) in enumerate(batch):
+                toks = torch.as_tensor(token_lists[d][start : last + 1], dtype=torch.long)
+                inputs[row, : len(toks) - 1] = toks[:-1]
+                # Target j of the window is document position start + j + 1.
+                targets[row, first - start - 1 : last - start] = toks[first - start :]
+            # Causal attention: right padding does not change the logits of real positions.
+            logits = model(inputs.to(device)).float()
+            losses = F.cross_entropy(
+                logits.transpose(1, 2), targets.to(device), ignore_index=-100, reduction="none"
+            )
+            per_row = losses.double().sum(1).cpu()
+            rows = torch.tensor([d for d, _ in batch])
+            nll.index_add_(0, rows, per_row)
+            count.index_add_(0, rows, (targets != -100).sum(1))
+    finally:
+        model.train(was_training)
+    return nll, count
+
+
+def evaluate(
+    models: GridModel | Mapping[int, PathModel] | PathModel,
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    route: Route | None = None,
+    *,
+    context: int | None = None,
+    skip: int = PREFIX_TOKENS,
+    batch_size: int = 32,
+) -> EvalResult:
+    """Routes every document with `route` and scores it with its path. `models` is the grid, a map
+    path index -> model, or one dense `PathModel` that scores every document; with a dense model a
+    `route` only splits the result by path (for side-by-side tables). `context` should be the run's
+    seq_len: positions past the training window were never trained."""
+    token_lists = [encode_document(tokenizer, t) for t in documents]
+    if route is None:
+        if not isinstance(models, PathModel):
+            raise ValueError("a grid needs a route function to evaluate")
+        paths = [0] * len(token_lists)
+    else:
+        paths = route_documents(route, token_lists)
+    result = EvalResult()
+    for p in sorted(set(paths)):
+        if isinstance(models, PathModel):
+            model = models
+        elif isinstance(models, GridModel):
+            model = models.path_model(path_from_index(models.cfg, p))
+        elif p in models:
+            model = models[p]
+        else:
+            raise ValueError(f"documents are routed to path {p}, which has no model")
+        docs = [t for t, q in zip(token_lists, paths, strict=True) if q == p]
+        nll, count = score_documents(model, docs, skip, context, batch_size)
+        result.per_path[p] = PathStats(len(docs), int(count.sum()), float(nll.sum()))
+    return result

@@ -1,0 +1,138 @@
+"""Creating a run: from the flags of `pathswarm run create` to a manifest with a fitted router.
+
+`RunOptions` holds what a researcher chooses (grid, preset, data, tokenizer, sync settings), each
+flag once; `manifest_from_options` turns them into the model shape, the dataset spec and the sync
+config, and `build_manifest` fits the router on the run's data and fills in the manifest. The
+router's features come from the run's initial path-0 model (`peer.model.route.feature_model`), so
+every peer can rebuild them from the manifest alone (`peer.run.rebuild`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from itertools import islice
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
+from peer.data.batches import encode_document
+from peer.data.sources import DatasetSpec, load_documents, split_of
+from peer.errors import ConfigError
+from peer.model.grid import ModelConfig, model_config_from_preset
+from peer.model.route import feature_model, prefix_features
+from peer.model.router import fit_router
+from peer.model.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RunOptions(BaseModel):
+    """The choices behind a new run, named as `pathswarm run create`'s flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    preset: str = "tiny"
+    grid: str = Field("2x2", description="LxK: levels x modules per level")
+    private_blocks: int = Field(0, ge=0)
+    blocks_per_module: int | None = Field(None, ge=1)
+    dataset: str = "builtin"
+    data_files: list[str] = []
+    dataset_name: str | None = None
+    text_field: str = "text"
+    tokenizer: str = "bytes"
+    seq_len: int = Field(64, ge=8)
+    inner_steps: int = Field(50, ge=1)
+    codec: str = "fp32"
+    fragments: int = Field(1, ge=1)
+    overlap_steps: int = Field(0, ge=0)
+    mixing_alpha: float = Field(0.5, ge=0, le=1)
+    seed: int = 0
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    """ "LxK" -> (levels, modules per level)."""
+    try:
+        levels, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--grid {text!r}: expected LxK, e.g. 2x2") from None
+    return levels, k
+
+
+def manifest_from_options(options: RunOptions) -> RunManifest:
+    """Model shape from the preset and grid, the dataset spec and sync settings, then the router."""
+    o = options
+    levels, k = parse_grid(o.grid)
+    tok = load_tokenizer(o.tokenizer)
+    try:
+        model = model_config_from_preset(
+            o.preset,
+            n_levels=levels,
+            modules_per_level=k,
+            private_blocks_per_path=o.private_blocks,
+            vocab_size=tok.vocab_size,
+            **({"blocks_per_module": o.blocks_per_module} if o.blocks_per_module else {}),
+        )
+        dataset = DatasetSpec(
+            kind=o.dataset, data_files=o.data_files, name=o.dataset_name, text_field=o.text_field, seed=o.seed
+        )
+        sync = SyncConfig(
+            codec=o.codec, fragments=o.fragments, overlap_steps=o.overlap_steps, mixing_alpha=o.mixing_alpha
+        )
+    except ValidationError as e:
+        raise ConfigError(one_line(e)) from None
+    return build_manifest(
+        o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
+        tokenizer=o.tokenizer,
+    )  # fmt: skip
+
+
+def build_manifest(
+    name: str,
+    model: ModelConfig,
+    dataset: DatasetSpec,
+    *,
+    seed: int = 0,
+    seq_len: int = 64,
+    inner_steps: int = 50,
+    inner: InnerOptimizerConfig | None = None,
+    outer: OuterOptimizerConfig | None = None,
+    sync: SyncConfig | None = None,
+    tokenizer: str = "bytes",
+    router_docs: int = 1000,
+    router_kind: str = "product_kmeans",
+) -> RunManifest:
+    """Fits the router on up to `router_docs` training documents and returns the full manifest."""
+    tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > model.vocab_size:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {model.vocab_size}")
+    docs = [d for d in islice(load_documents(dataset), router_docs * 2) if split_of(d, dataset) == "train"]
+    docs = docs[:router_docs]
+    if len(docs) < model.n_paths * 4:
+        raise ConfigError(f"only {len(docs)} training documents to fit a router for {model.n_paths} paths")
+    started = time.monotonic()
+    features = prefix_features(feature_model(model, seed), [encode_document(tok, d) for d in docs])
+    kind = router_kind if model.n_levels > 1 else "kmeans"
+    router = fit_router(features, model.n_levels, model.modules_per_level, kind=kind, seed=seed)
+    logger.info(f"fitted a {kind} router on {len(docs)} documents in {time.monotonic() - started:.1f}s")
+    manifest = dict(
+        name=name,
+        seed=seed,
+        model=model,
+        seq_len=seq_len,
+        inner_steps=inner_steps,
+        inner=inner or InnerOptimizerConfig(),
+        outer=outer or OuterOptimizerConfig(),
+        sync=sync or SyncConfig(),
+        dataset=dataset,
+        tokenizer=tokenizer,
+        tokenizer_fingerprint=tok.fingerprint,
+        router=json.loads(router.to_json()),
+        created_at=time.time(),
+    )
+    try:
+        return RunManifest(**manifest)
+    except ValidationError as e:
+        raise ConfigError(f"invalid run: {one_line(e)}") from None

@@ -1,0 +1,33 @@
+"""What every peer rebuilds from a run manifest alone: the tokenizer and the routing function.
+
+The router travels inside the manifest and its features come from the run's *initial* path-0 model,
+whose weights follow from the run seed, so every peer routes every document to the same path
+without downloading anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+from peer.config import RunManifest
+from peer.errors import ConfigError
+from peer.model.route import Route, feature_model, route_function
+from peer.model.router import Router
+from peer.model.tokenizer import Tokenizer, load_tokenizer
+
+
+def router_of(manifest: RunManifest) -> Router:
+    return Router.from_json(json.dumps(manifest.router))
+
+
+def make_route(manifest: RunManifest) -> Route:
+    """The routing function every peer of the run shares."""
+    return route_function(router_of(manifest), feature_model(manifest.model, manifest.seed))
+
+
+def check_tokenizer(manifest: RunManifest) -> Tokenizer:
+    """The run's tokenizer, refused when it is not the file the run was created with."""
+    tok = load_tokenizer(manifest.tokenizer)
+    if manifest.tokenizer_fingerprint and tok.fingerprint != manifest.tokenizer_fingerprint:
+        raise ConfigError(f"tokenizer {manifest.tokenizer!r} differs from the one the run was created with")
+    return tok

@@ -1,0 +1,89 @@
+"""A run's manifest as a signed record: signing, verifying, and the manifest file.
+
+The creator signs the manifest's sha256 (the run id) with its RSA key. A reader accepts a record only
+if the hash of the manifest matches the run id, the signature verifies and the manifest parses in
+canonical form; `load_verified_manifest` does all of that for a file (and an expected run name and
+pin), for the peer, the bootstrap node and the offline commands alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from pydantic import ValidationError
+
+from dht.schema import ManifestRecord
+from peer.config import RunManifest, one_line
+from peer.errors import ConfigError
+
+#: hivemind's DHT process reads requests from a pipe that uvloop made non-blocking; a request larger
+#: than the pipe buffer (64 KiB) arrives in pieces and kills the DHT process. Keep records well below.
+MAX_MANIFEST_BYTES = 48 * 1024
+
+
+def sign_manifest(manifest: RunManifest, key: RSAPrivateKey) -> ManifestRecord:
+    run_id = manifest.run_id
+    size = len(manifest.canonical_json().encode())
+    if size > MAX_MANIFEST_BYTES:
+        raise ConfigError(
+            f"manifest is {size} bytes, more than a DHT record may hold ({MAX_MANIFEST_BYTES}); "
+            "use a smaller router or fewer fields"
+        )
+    return ManifestRecord(
+        run_id=run_id,
+        manifest_json=manifest.canonical_json(),
+        creator_public_key=key.get_public_key().to_bytes(),
+        signature=key.sign(run_id.encode()),
+    )
+
+
+def verify_record(record: ManifestRecord) -> RunManifest:
+    """The manifest inside a record, or ValueError saying why it cannot be trusted."""
+    if hashlib.sha256(record.manifest_json.encode()).hexdigest() != record.run_id:
+        raise ValueError("manifest hash does not match its run id")
+    try:
+        public_key = RSAPublicKey.from_bytes(record.creator_public_key)
+        valid = public_key.verify(record.run_id.encode(), record.signature)
+    except Exception as e:
+        raise ValueError(f"unreadable creator key or signature: {e}") from e
+    if not valid:
+        raise ValueError("creator signature does not verify")
+    try:
+        manifest = RunManifest.model_validate_json(record.manifest_json)
+    except ValidationError as e:
+        raise ValueError(f"manifest does not parse: {one_line(e)}") from e
+    if manifest.canonical_json() != record.manifest_json:
+        # A manifest written by a different version could parse yet hash differently; refuse it.
+        raise ValueError("manifest is not in canonical form (written by an incompatible version?)")
+    return manifest
+
+
+def save_record(record: ManifestRecord, path: Path) -> None:
+    path.write_text(record.model_dump_json(indent=1))
+
+
+def load_record(path: Path) -> ManifestRecord:
+    try:
+        return ManifestRecord.model_validate_json(Path(path).read_text())
+    except (OSError, ValidationError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read manifest file {path}: {str(e).splitlines()[0]}") from e
+
+
+def load_verified_manifest(
+    path: Path, run_name: str | None = None, pin: str | None = None
+) -> tuple[RunManifest, ManifestRecord]:
+    """The manifest in a signed manifest file, after checking its hash and signature, and that it is
+    the run `run_name` (with a run id starting with `pin`) when those are given."""
+    record = load_record(path)
+    try:
+        manifest = verify_record(record)
+    except ValueError as e:
+        raise ConfigError(f"manifest file {path} does not verify: {e}") from e
+    if run_name is not None and manifest.name != run_name:
+        raise ConfigError(f"manifest file {path} is for run {manifest.name!r}, not {run_name!r}")
+    if pin and not record.run_id.startswith(pin):
+        raise ConfigError(f"manifest file {path} has hash {record.run_id[:12]}, not {pin}")
+    return manifest, record

@@ -1,0 +1,64 @@
+"""A run's manifest in the DHT: published by every peer that verified it, fetched by joiners.
+
+Any peer that verified the record re-publishes it unchanged under its own owner subkey, so the run
+outlives its creator; a reader accepts only records that verify (`peer.run.record`), and with
+`--run NAME@HASH` only the pinned run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import hivemind
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import ValidationError
+
+from dht.keys import MANIFEST_TTL_SECONDS, manifest_key
+from dht.records import store_record
+from dht.schema import ManifestRecord
+from peer.config import RunManifest
+from peer.errors import SwarmError
+from peer.run.record import verify_record
+
+logger = logging.getLogger(__name__)
+
+
+def publish_record(dht: hivemind.DHT, key: RSAPrivateKey, record: ManifestRecord) -> bool:
+    name = json.loads(record.manifest_json)["name"]
+    return store_record(dht, manifest_key(name), key, record, MANIFEST_TTL_SECONDS)
+
+
+def fetch_manifest(
+    dht: hivemind.DHT, run_name: str, pin: str | None = None, timeout_seconds: float = 15.0
+) -> tuple[RunManifest, ManifestRecord]:
+    """Finds the one verified manifest for `run_name` (and `pin`), retrying while the DHT warms up."""
+    deadline = time.monotonic() + timeout_seconds
+    rejected: list[str] = []
+    while True:
+        candidates: dict[str, tuple[RunManifest, ManifestRecord]] = {}
+        found = dht.get(manifest_key(run_name), latest=True)
+        if found is not None and isinstance(found.value, dict):
+            for item in found.value.values():
+                try:
+                    record = ManifestRecord.model_validate(item.value)
+                    manifest = verify_record(record)
+                except (ValidationError, ValueError) as e:
+                    rejected.append(str(e).splitlines()[0])
+                    continue
+                if manifest.name != run_name:
+                    rejected.append("manifest names another run")
+                    continue
+                if pin is None or record.run_id.startswith(pin):
+                    candidates[record.run_id] = (manifest, record)
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))
+        if len(candidates) > 1:
+            ids = ", ".join(f"{run_name}@{rid[:12]}" for rid in sorted(candidates))
+            raise SwarmError(f"several runs are named {run_name!r}; pin one with --run: {ids}")
+        if time.monotonic() > deadline:
+            why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""
+            pinned = f" with hash {pin}..." if pin else ""
+            raise SwarmError(f"no verified manifest for run {run_name!r}{pinned} in the DHT{why}")
+        time.sleep(0.5)

@@ -1,0 +1,295 @@
+"""One peer's membership in a run: its claim, its view of the other peers, the plan, the heartbeat.
+
+`Membership` holds what a peer says about itself in the DHT (its path claim with progress, its
+probe record) and what it believes about the others (claims and probes, kept stable across short
+reads), chooses the path to claim (the plan, else the least-covered path), and runs the heartbeat
+thread that renews the claim, re-reads the others, re-probes now and then and keeps the manifest
+alive. The training loop only reads its views; every DHT call goes through one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import hivemind
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.schema import ClaimRecord, ManifestRecord, ProbeRecord
+from monitoring.metrics import PeerMetrics
+from peer.config import PeerConfig, RunManifest
+from peer.model.grid import Path, path_from_index, path_index, path_module_ids
+from peer.model.transformer import PathModel
+from peer.seeding import stable_seed
+from peer.swarm.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
+from peer.swarm.manifest import publish_record
+from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
+from peer.swarm.probes import (
+    ProbeService,
+    free_memory_bytes,
+    live_probes,
+    load_probe_file,
+    measure_tokens_per_second,
+    publish_probe,
+    sample_peers,
+)
+
+logger = logging.getLogger(__name__)
+
+#: how often a peer re-publishes the run manifest it verified (its TTL is longer)
+MANIFEST_REPUBLISH_SECONDS = 60.0
+
+
+@dataclass
+class Progress:
+    """What a peer reports about its training in its claim (a claim, to others: see DESIGN §8)."""
+
+    step: int = 0
+    outer_round: int = 0
+    tokens_total: int = 0
+    tokens_per_second: float = 0.0
+    fingerprints: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Membership:
+    """This peer's claim and its view of the run's other peers, renewed by a heartbeat thread."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        key: RSAPrivateKey,
+        config: PeerConfig,
+        manifest: RunManifest,
+        record: ManifestRecord,
+        progress: Callable[[], Progress],
+        device: torch.device,
+    ):
+        self.dht, self.key, self.config = dht, key, config
+        self.manifest, self.record = manifest, record
+        self.run_name, self.run_id = config.run_name, record.run_id
+        self.peer_id = str(dht.peer_id)
+        self.progress = progress
+        self.device = device
+        self.path: Path | None = None
+        #: false until the peer caught up and can average; holders do not wait for it before
+        self.ready = False
+        self.claims: dict[str, ClaimRecord] = {}
+        self.snapshot = None
+        self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
+        self._claim_view = ClaimView(self.run_name, self.run_id)
+        self._probes: dict[str, ProbeRecord] = {}
+        self._probe_record: ProbeRecord | None = None
+        self._path_parameters = path_parameters(manifest)
+        self._probe_service = ProbeService(dht) if config.probe_file is None else None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def read_claims(self) -> dict[str, ClaimRecord]:
+        with self._lock:
+            self.claims = self._claim_view.update(self.dht)
+        return self.claims
+
+    def holders(self) -> dict[str, list[str]]:
+        """Ready holders of each module, from the current claim view."""
+        return holders_by_module(self.claims)
+
+    def donors(self) -> dict[str, list[tuple[str, int]]]:
+        """(peer id, round) of the other ready holders of each module that can serve their state."""
+        self.read_claims()
+        others = {k: v for k, v in self.claims.items() if k != self.peer_id and not v.client_mode}
+        return {
+            mid: [(p, others[p].outer_round) for p in peers]
+            for mid, peers in holders_by_module(others, ready_only=True).items()
+        }
+
+    def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
+        """Our planned subgroup of the module's holders this round (None: all holders together)."""
+        if not self.manifest.sync.max_group_size or self.snapshot is None:
+            return None
+        return my_averaging_group(
+            self.manifest, self.snapshot, self.claims, self.peer_id, module_id, round_index
+        )
+
+    def build_snapshot(self):
+        # Like claims, probe records missing from one read are kept (while their peer's claim is).
+        with self._lock:
+            self._probes.update(live_probes(self.dht, self.run_name, self.run_id))
+        self._probes[self.peer_id] = self._probe_record
+        self._probes = {p: r for p, r in self._probes.items() if p in self.claims or p == self.peer_id}
+        return build_snapshot(
+            self.manifest, self._probes, self.claims, self._path_parameters, self.config.batch_size
+        )
+
+    # --- what we say about ourselves ------------------------------------------------------------
+
+    def claim_record(self, leaving: bool = False) -> ClaimRecord:
+        m, p = self.manifest, self.progress()
+        return ClaimRecord(
+            peer_id=self.peer_id,
+            path=path_index(m.model, self.path),
+            modules=path_module_ids(m.model, self.path),
+            step=p.step,
+            outer_round=p.outer_round,
+            tokens_total=p.tokens_total,
+            tokens_per_second=p.tokens_per_second,
+            client_mode=self.config.client_mode,
+            fingerprints=p.fingerprints,
+            ready=self.ready,
+            leaving=leaving,
+        )
+
+    def publish_claim(self, leaving: bool = False) -> None:
+        record = self.claim_record(leaving)
+        with self._lock:
+            publish_claim(self.dht, self.key, self.run_name, self.run_id, record)
+
+    def probe(self, cycle: int) -> None:
+        """Measures (or reads injected) compute, memory and links, and publishes them."""
+        cfg, m = self.config, self.manifest
+        if cfg.probe_file is not None:
+            record = load_probe_file(cfg.probe_file, self.peer_id)
+        else:
+            tps = self.progress().tokens_per_second
+            if tps <= 0:
+                probe_model = PathModel(m.model, (0,) * m.model.n_levels, m.seed).to(self.device)
+                tps = measure_tokens_per_second(probe_model, cfg.batch_size, m.seq_len, self.device)
+            with self._lock:
+                known = list(live_probes(self.dht, self.run_name, self.run_id)) + list(self.claims)
+            targets = sample_peers(known, self.peer_id, cycle, m.scheduler.max_links)
+            links = self._probe_service.measure_links(targets) if self._probe_service and targets else {}
+            record = ProbeRecord(
+                peer_id=self.peer_id,
+                tokens_per_second=max(tps, 1e-3),
+                memory_bytes=free_memory_bytes(self.device),
+                links={p: [lat, bw] for p, (lat, bw) in links.items()},
+            )
+        self._probe_record = record
+        with self._lock:
+            publish_probe(self.dht, self.key, self.run_name, self.run_id, record)
+
+    # --- choosing a path ------------------------------------------------------------------------
+
+    def claim_path(self, fixed: Path | None) -> Path:
+        """Claims `fixed` (a --path flag or a resumed checkpoint's path), or the path of the plan,
+        else the least-covered one; peers that joined together look again once claims settle."""
+        mcfg = self.manifest.model
+        if fixed is not None:
+            self.path = fixed
+            self.publish_claim()
+            return fixed
+        self.read_claims()
+        self.path = path_from_index(mcfg, self._choose_path(joining=True))
+        self.publish_claim()
+        # Peers that joined together may have picked the same path: look again once claims settled
+        # (for a run whose peers start together, once all of them have claimed).
+        if self.config.wait_for_peers > 1:
+            self.wait_for_peers(self.config.wait_for_peers, ready_only=False)
+        time.sleep(min(2.0, self.config.heartbeat_seconds))
+        self.read_claims()
+        target = self._choose_path(joining=False)
+        if target != path_index(mcfg, self.path):
+            logger.info(f"moving from path {path_index(mcfg, self.path)} to {target} before training")
+            self.path = path_from_index(mcfg, target)
+            self.publish_claim()
+        return self.path
+
+    def _choose_path(self, joining: bool) -> int:
+        """The plan's path for us ("planned" runs), else the least-covered one."""
+        mcfg = self.manifest.model
+        if self.manifest.scheduler.mode == "planned":
+            try:
+                path = planned_path(
+                    self.manifest,
+                    self.build_snapshot(),
+                    self.claims,
+                    self.peer_id,
+                    stable_seed(self.run_id),
+                    joining,
+                )
+                if path is not None:
+                    return path
+                logger.warning("the plan left us unplaced; taking the least-covered path")
+            except Exception as e:  # planning must never keep a volunteer from training
+                logger.warning(f"planning failed ({type(e).__name__}: {e}); taking the least-covered path")
+        if joining:
+            return choose_path(mcfg, self.claims, self.peer_id)
+        current = path_index(mcfg, self.path)
+        target = should_move(mcfg, self.claims, self.peer_id, current)
+        return current if target is None else target
+
+    def wait_for_peers(self, n: int, ready_only: bool) -> None:
+        """Waits until `n` peers (us included) have claimed a path, or are ready to average."""
+        what = "ready" if ready_only else "claimed a path"
+        deadline = time.monotonic() + self.config.wait_for_peers_timeout_seconds
+        while not self._stop.is_set():
+            claims = self.read_claims()
+            count = sum(c.ready or not ready_only for c in claims.values())
+            if count >= n:
+                # The fresh view also serves the first syncs: with an older one a peer would sync
+                # "alone" and its global copy drift from the others.
+                logger.info(f"{count} peers have {what}")
+                return
+            if time.monotonic() > deadline:
+                logger.warning(
+                    f"only {count} of {n} peers have {what} after "
+                    f"{self.config.wait_for_peers_timeout_seconds:.0f}s: going on"
+                )
+                return
+            time.sleep(0.5)
+
+    # --- heartbeat ------------------------------------------------------------------------------
+
+    def start(self, metrics: PeerMetrics) -> None:
+        """Announces that we are ready to average and starts the heartbeat."""
+        self.ready = True
+        self.publish_claim()
+        if self.manifest.sync.max_group_size:
+            self.snapshot = self.build_snapshot()
+        self._heartbeat = threading.Thread(target=self._beat, args=(metrics,), name="heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self, metrics: PeerMetrics) -> None:
+        last_manifest = last_probe = time.monotonic()
+        cycle = 0
+        while not self._stop.wait(self.config.heartbeat_seconds):
+            try:
+                self.publish_claim()
+                self.read_claims()
+                metrics.set_peers_seen(len(self.claims))
+                if time.monotonic() - last_probe > self.manifest.scheduler.probe_every_seconds:
+                    cycle += 1
+                    self.probe(cycle)
+                    last_probe = time.monotonic()
+                if self.manifest.sync.max_group_size:
+                    self.snapshot = self.build_snapshot()
+                if time.monotonic() - last_manifest > MANIFEST_REPUBLISH_SECONDS:
+                    with self._lock:
+                        publish_record(self.dht, self.key, self.record)
+                    last_manifest = time.monotonic()
+            except Exception as e:  # a heartbeat must never kill the peer
+                logger.warning(f"heartbeat failed: {e}")
+
+    def request_stop(self) -> None:
+        """Stops waits for other peers at once (SIGTERM during start-up)."""
+        self._stop.set()
+
+    def leave(self) -> None:
+        """Stops the heartbeat and announces that we are leaving, so holders stop waiting for us."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=10)
+        if self.path is not None:
+            try:
+                self.publish_claim(leaving=True)
+            except Exception as e:
+                logger.debug(f"could not announce leaving: {e}")
+
+    def shutdown(self) -> None:
+        if self._probe_service is not None:
+            self._probe_service.shutdown()

@@ -1,0 +1,143 @@
+"""The scheduler in a live swarm: from DHT records to this peer's path and averaging group.
+
+Every peer builds the same `SwarmSnapshot` from the probe and claim records it reads and runs the
+same deterministic planner with the run's seed, so peers agree on the plan without talking about it
+(views of the DHT can lag by a heartbeat; hysteresis keeps such differences from moving anyone).
+A peer only ever acts on its own line of the plan: which path to claim when it joins, and which
+subgroup of a module's holders it averages with in a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from dht.schema import ClaimRecord, ProbeRecord
+from peer.codecs.specs import codec_spec
+from peer.config import RunManifest
+from peer.model.grid import all_paths, path_index, path_module_ids
+from peer.model.transformer import PathModel, count_parameters
+from peer.scheduler import (
+    Assignment,
+    GridSpec,
+    LinkMeasurement,
+    PeerMeasurement,
+    SwarmSnapshot,
+    averaging_groups,
+    replan,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def fragment_bytes(manifest: RunManifest, path_parameters: int) -> float:
+    """c in DATAP-COST: what one holder puts in one fragment sync of its path."""
+    return path_parameters * codec_spec(manifest.sync.codec).wire_bytes_per_value / manifest.sync.fragments
+
+
+def path_parameters(manifest: RunManifest) -> int:
+    import torch
+
+    with torch.device("meta"):
+        model = PathModel(manifest.model, (0,) * manifest.model.n_levels)
+    return count_parameters(model)
+
+
+def build_snapshot(
+    manifest: RunManifest,
+    probes: dict[str, ProbeRecord],
+    claims: dict[str, ClaimRecord],
+    n_parameters: int,
+    batch_size: int = 8,
+) -> SwarmSnapshot:
+    """Peers are those with a live claim or probe record; missing measurements are filled in
+    conservatively by the snapshot itself."""
+    peers = {
+        pid: PeerMeasurement(
+            tokens_per_second=probes[pid].tokens_per_second if pid in probes else None,
+            memory_bytes=probes[pid].memory_bytes if pid in probes else None,
+        )
+        for pid in set(probes) | {p for p, c in claims.items() if not c.client_mode}
+    }
+    links = [
+        LinkMeasurement(src, dst, latency_seconds=lat, bandwidth_bytes_per_second=bw)
+        for src, record in probes.items()
+        for dst, (lat, bw) in record.links.items()
+    ]
+    grid = GridSpec(
+        n_paths=manifest.model.n_paths,
+        fragment_bytes=fragment_bytes(manifest, n_parameters),
+        inner_steps=manifest.inner_steps,
+        tokens_per_step=batch_size * manifest.seq_len,
+    )
+    return SwarmSnapshot.from_measurements(peers, links, grid)
+
+
+def current_assignment(
+    manifest: RunManifest, claims: dict[str, ClaimRecord], exclude: str | None = None
+) -> Assignment:
+    return Assignment(
+        {pid: c.path for pid, c in claims.items() if pid != exclude and not c.client_mode},
+        manifest.model.n_paths,
+    )
+
+
+def planned_path(
+    manifest: RunManifest,
+    snapshot: SwarmSnapshot,
+    claims: dict[str, ClaimRecord],
+    me: str,
+    seed: int,
+    joining: bool = True,
+) -> int | None:
+    """This peer's path in the plan, keeping the others where they are unless the gain is large.
+    `joining`: place us as a newcomer; otherwise our claim is part of the current assignment, as
+    when peers that joined together re-check once all their claims are visible (every one of them
+    then computes the same plan, so a doubled path is resolved by exactly the peers the plan moves)."""
+    current = current_assignment(manifest, claims, exclude=me if joining else None)
+    current = Assignment(
+        {p: k for p, k in current.path_of_peer.items() if p in snapshot.peer_ids}, current.n_paths
+    )
+    result = replan(current, snapshot, seed=seed, min_gain=manifest.scheduler.replan_min_gain)
+    path = result.assignment.path_of_peer.get(me)
+    logger.info(
+        f"plan: path {path} for us; round {result.cost.round_seconds:.3f}s "
+        f"({'re-planned' if result.replanned else 'kept current claims'}; moved {list(result.moved_peers)})"
+    )
+    return path
+
+
+def module_paths(manifest: RunManifest, module_id: str) -> list[int]:
+    cfg = manifest.model
+    return [path_index(cfg, p) for p in all_paths(cfg) if module_id in path_module_ids(cfg, p)]
+
+
+def my_averaging_group(
+    manifest: RunManifest,
+    snapshot: SwarmSnapshot,
+    claims: dict[str, ClaimRecord],
+    me: str,
+    module_id: str,
+    round_index: int,
+) -> tuple[int, list[str]] | None:
+    """(index, members) of the subgroup this peer averages `module_id` with in `round_index`, when
+    the module has more holders than `sync.max_group_size`; None means one group of all holders."""
+    limit = manifest.sync.max_group_size
+    assignment = current_assignment(manifest, claims)
+    paths = module_paths(manifest, module_id)
+    holders = [p for p, k in assignment.path_of_peer.items() if k in paths and p in snapshot.peer_ids]
+    if not limit or len(holders) <= limit or me not in holders:
+        return None
+    groups = averaging_groups(assignment, round_index, snapshot, limit, module_paths=paths)
+    for index, members in enumerate(groups):
+        if me in members:
+            return index, sorted(members)
+    return None
+
+
+def group_bits(index: int, width: int = 8) -> str:
+    return format(index % (1 << width), f"0{width}b")
+
+
+def bits_for(n: int) -> int:
+    return max(1, math.ceil(math.log2(max(2, n))))

@@ -1,0 +1,66 @@
+"""A peer's round history: what each outer round cost and achieved, kept in its checkpoints.
+
+One entry per outer round (fragment 0's sync): the round, steps and tokens so far, the mean training
+loss of the round, the outcome of every module's sync per fragment, the bytes this peer sent over
+the round and for its largest single sync event, the groups, and the training time. Benchmarks
+(the WAN lab) and the demo read these entries from the checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+
+from peer.sync.outer import FragmentDone
+
+
+class RoundHistory:
+    """Accumulates per-step losses and per-fragment syncs into one entry per outer round."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+        self._losses: list[float] = []
+        self._bytes = self._peak_bytes = 0
+        self._fragments: dict[str, dict[str, str]] = {}
+        self._seconds_before = 0.0  # training time of the runs this one resumed
+        self._clock: float | None = None
+
+    def start_clock(self) -> None:
+        self._clock = time.monotonic()
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall time spent in the training loop, waits on averaging included, across resumes."""
+        running = time.monotonic() - self._clock if self._clock is not None else 0.0
+        return self._seconds_before + running
+
+    def restore(self, entries: list[dict], train_seconds: float) -> None:
+        self.entries = list(entries)
+        self._seconds_before = train_seconds
+
+    def add_loss(self, loss: float) -> None:
+        self._losses.append(loss)
+
+    def add_sync(self, done: FragmentDone) -> None:
+        self._bytes += done.bytes_sent
+        # the most this peer put on the wire for one sync event (a fragment, or everything)
+        self._peak_bytes = max(self._peak_bytes, done.bytes_sent)
+        self._fragments[str(done.fragment)] = done.summary()
+
+    def end_round(self, round_index: int, step: int, tokens_total: int, done: FragmentDone) -> dict:
+        entry = dict(
+            round=round_index,
+            step=step,
+            loss=sum(self._losses) / max(1, len(self._losses)),
+            outcomes=done.summary(),
+            fragments=self._fragments,
+            bytes_sent=self._bytes,
+            peak_sync_bytes=self._peak_bytes,
+            groups={mid: r.members for mid, r in done.results.items()},
+            tokens_total=tokens_total,
+            time=time.time(),
+            train_seconds=self.train_seconds,
+        )
+        self.entries.append(entry)
+        self._losses, self._fragments = [], {}
+        self._bytes = self._peak_bytes = 0
+        return entry

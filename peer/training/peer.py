@@ -1,0 +1,310 @@
+"""One training peer: its lifecycle and its training loop.
+
+`Peer.start()` joins the DHT, verifies the run manifest, claims a path (`Membership`), builds the
+path model and its sync layer (`PathSync`), restores a checkpoint or catches up with the holders
+that are ahead, and starts the heartbeat. `Peer.run()` is the inner loop, with fragment syncs and
+outer steps at Streaming DiLoCo's offsets. `Peer.close()` checkpoints, announces that the peer is
+leaving and shuts everything down; it is safe to call at any point.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from dht.keys import averaging_prefix
+from dht.node import start_dht
+from dht.schema import ManifestRecord
+from dht.validators import RecordSchemaValidator
+from monitoring.metrics import PeerMetrics
+from peer.checkpoint import load_latest_checkpoint, save_checkpoint
+from peer.config import PeerConfig, RunManifest
+from peer.data.batches import PathBatches
+from peer.data.sources import load_documents
+from peer.errors import ConfigError
+from peer.faults import fault_point
+from peer.model.grid import parse_path, path_index, path_module_ids
+from peer.model.transformer import PathModel
+from peer.run.rebuild import check_tokenizer, make_route
+from peer.run.record import load_verified_manifest
+from peer.seeding import stable_seed
+from peer.swarm.manifest import fetch_manifest, publish_record
+from peer.swarm.membership import Membership, Progress
+from peer.sync.outer import FragmentDone
+from peer.sync.path_sync import PathSync
+from peer.training.history import RoundHistory
+from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
+
+logger = logging.getLogger(__name__)
+
+#: throughput is reported over windows of at least this long
+TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
+
+
+def pathswarm_version() -> str:
+    try:
+        return importlib.metadata.version("pathswarm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Peer:
+    """A volunteer's peer: joins a run, trains one path and keeps its modules in sync."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.stop_requested = threading.Event()
+        self.dht = None
+        self.membership: Membership | None = None
+        self.sync: PathSync | None = None
+        self.metrics: PeerMetrics | None = None
+        self.manifest: RunManifest | None = None
+        self.run_id = ""
+        self.step = 0
+        self.tokens_total = 0
+        self.outer_round = 0
+        self.last_loss = float("nan")
+        self.tokens_per_second = 0.0
+        self.history = RoundHistory()
+        self._checkpointed_step = -1
+        self._closed = False
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.device = device_of(cfg.device)
+        self.dht, self.key = start_dht(
+            initial_peers=cfg.initial_peers,
+            host_maddrs=cfg.host_maddrs,
+            announce_maddrs=cfg.announce_maddrs,
+            identity_path=cfg.identity_path,
+            client_mode=cfg.client_mode,
+            run_name=cfg.run_name,
+        )
+        self.peer_id = str(self.dht.peer_id)
+        self.manifest, record = self._join_run()
+        self.run_id = record.run_id
+        self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
+        self.tokenizer = check_tokenizer(self.manifest)
+        self.membership = Membership(
+            self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
+        )
+        if self.stop_requested.is_set():
+            self.membership.request_stop()
+        self.membership.read_claims()
+        self.membership.probe(cycle=0)
+        resumed = self._load_checkpoint() if cfg.resume else None
+        fixed = parse_path(self.manifest.model, cfg.path) if cfg.path is not None else None
+        if resumed is not None:
+            fixed = tuple(resumed[1]["path"])
+        self.path = self.membership.claim_path(fixed)
+        logger.info(
+            f"training path {path_index(self.manifest.model, self.path)} {self.path}: "
+            f"modules {path_module_ids(self.manifest.model, self.path)}"
+        )
+        self._build_model()
+        if resumed is not None:
+            self._restore(*resumed)
+        self.sync.start_averagers(
+            self.dht, lambda mid: averaging_prefix(cfg.run_name, self.run_id, mid), cfg.client_mode
+        )
+        self.sync.catch_up(self.membership.donors(), self.outer_round)
+        self.outer_round = max(self.outer_round, self.sync.outer_round)
+        self._start_data()
+        if cfg.metrics_port is not None:
+            port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            logger.info(f"metrics on http://{cfg.metrics_host}:{port}/metrics")
+        self.membership.start(self.metrics)
+        if cfg.wait_for_peers > 1:
+            self.membership.wait_for_peers(cfg.wait_for_peers, ready_only=True)
+
+    def request_stop(self) -> None:
+        """SIGTERM: finish the current step, then leave (start-up waits end at once)."""
+        self.stop_requested.set()
+        if self.membership is not None:
+            self.membership.request_stop()
+
+    def _join_run(self) -> tuple[RunManifest, ManifestRecord]:
+        """The run's verified manifest: from --manifest_path (then published for the others), or
+        from the DHT; either way this peer keeps re-publishing it, so the run outlives its creator."""
+        cfg = self.config
+        pin = cfg.run_pin
+        if cfg.manifest_path is not None:
+            _, record = load_verified_manifest(cfg.manifest_path, cfg.run_name, pin)
+            publish_record(self.dht, self.key, record)
+            pin = record.run_id
+        manifest, record = fetch_manifest(self.dht, cfg.run_name, pin)
+        logger.info(f"joined run {cfg.run_name}@{record.run_id[:12]} as {self.peer_id}")
+        publish_record(self.dht, self.key, record)
+        return manifest, record
+
+    def _load_checkpoint(self):
+        loaded = load_latest_checkpoint(self.config.checkpoint_dir)
+        if loaded is None:
+            logger.info(f"no checkpoint in {self.config.checkpoint_dir}; starting fresh")
+            return None
+        tensors, meta = loaded
+        if meta.get("run_id") != self.run_id:
+            raise ConfigError(f"checkpoint in {self.config.checkpoint_dir} belongs to another run")
+        return tensors, meta
+
+    def _build_model(self) -> None:
+        m = self.manifest
+        self.model = PathModel(m.model, self.path, seed=m.seed).to(self.device)
+        self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
+        self.metrics = PeerMetrics(
+            self.config.run, self.peer_id, str(path_index(m.model, self.path)), pathswarm_version()
+        )
+        self.sync = PathSync(
+            m,
+            self.model,
+            self.peer_id,
+            self.metrics,
+            group_of=self.membership.group_of,
+            round_of=lambda: self.outer_round,
+        )
+
+    def _start_data(self) -> None:
+        m = self.manifest
+        self.batches = PathBatches(
+            load_documents(m.dataset),
+            make_route(m),
+            path_index(m.model, self.path),
+            self.tokenizer,
+            m.seq_len,
+            self.config.batch_size,
+            seed=stable_seed(self.peer_id, self.step),
+            eval_fraction=m.dataset.eval_fraction,
+        )
+
+    def _progress(self) -> Progress:
+        return Progress(
+            step=self.step,
+            outer_round=self.outer_round,
+            tokens_total=self.tokens_total,
+            tokens_per_second=self.tokens_per_second,
+            fingerprints=self.sync.fingerprints() if self.sync is not None else {},
+        )
+
+    # --- training -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        m, cfg = self.manifest, self.config
+        autocast = autocast_for(self.device)
+        self.model.train()
+        window_started, window_tokens = time.monotonic(), 0
+        self.history.start_clock()
+        while not self.stop_requested.is_set():
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                break
+            if cfg.max_rounds is not None and self.outer_round >= cfg.max_rounds:
+                break
+            fault_point("train.step")
+            batch = next(self.batches).to(self.device)
+            self.last_loss = inner_step(self.model, self.inner, batch, m.inner, self.step, autocast=autocast)
+            tokens = tokens_in(batch)
+            self.step += 1
+            self.tokens_total += tokens
+            window_tokens += tokens
+            self.history.add_loss(self.last_loss)
+            elapsed = time.monotonic() - window_started
+            if elapsed > TOKENS_PER_SECOND_WINDOW_SECONDS:
+                self.tokens_per_second = window_tokens / elapsed
+                window_started, window_tokens = time.monotonic(), 0
+            self.metrics.observe_step(tokens, self.last_loss, self.tokens_per_second)
+            holders = self.membership.holders()
+            for done in self.sync.outer.after_step(self.step, self.tokens_total, holders):
+                self._fragment_done(done, holders)
+        holders = self.membership.holders()
+        for done in self.sync.outer.drain(self.step):
+            self._fragment_done(done, holders)
+
+    def _fragment_done(self, done: FragmentDone, holders: dict[str, list[str]]) -> None:
+        for mid in done.results:
+            self.metrics.set_holders(mid, len(set(holders.get(mid, [])) | {self.peer_id}))
+        self.history.add_sync(done)
+        if done.fragment != 0:
+            return
+        # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps. The trunk is on every
+        # path, so its sync count is the swarm's clock: a peer that synced alone while the others
+        # were starting is set back in step when it repairs its copy.
+        self.outer_round = self.sync.outer_round
+        entry = self.history.end_round(self.outer_round, self.step, self.tokens_total, done)
+        logger.info(f"round {self.outer_round} step {self.step} loss {entry['loss']:.4f} {entry['outcomes']}")
+        if (
+            self.config.checkpoint_dir is not None
+            and self.outer_round % self.config.checkpoint_every_rounds == 0
+        ):
+            self.checkpoint()
+        self.membership.publish_claim()
+
+    # --- checkpoints and shutdown ---------------------------------------------------------------
+
+    def checkpoint(self) -> Path | None:
+        if self.config.checkpoint_dir is None:
+            return None
+        tensors = self.sync.state_tensors()
+        for name, p in self.model.named_parameters():
+            tensors[f"local/{name}"] = p.detach()
+        meta = dict(
+            step=self.step,
+            run_id=self.run_id,
+            run=self.config.run_name,
+            path=list(self.path),
+            outer_round=self.outer_round,
+            fragment_rounds=self.sync.fragment_rounds(),
+            tokens_total=self.tokens_total,
+            peer_id=self.peer_id,
+            loss=self.last_loss if math.isfinite(self.last_loss) else None,
+            history=self.history.entries[-200:],
+            train_seconds=self.history.train_seconds,
+        )
+        path = save_checkpoint(
+            Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
+        )
+        self._checkpointed_step = self.step
+        return path
+
+    def _restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.step = int(meta["step"])
+        self.outer_round = int(meta["outer_round"])
+        self.tokens_total = int(meta.get("tokens_total", 0))
+        self.history.restore(meta.get("history", []), float(meta.get("train_seconds", 0.0)))
+        self.sync.restore(tensors, meta.get("fragment_rounds"), self.outer_round, self.tokens_total)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(tensors[f"local/{name}"].to(p.dtype))
+        logger.info(
+            f"resumed from checkpoint at step {self.step}, outer round {self.outer_round}, "
+            f"fragment rounds {self.sync.fragment_rounds()}"
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.request_stop()
+        try:
+            if self.sync is not None and self.step > 0 and self._checkpointed_step != self.step:
+                self.checkpoint()
+        except Exception as e:
+            logger.error(f"final checkpoint failed: {e}")
+        if self.membership is not None:
+            self.membership.leave()
+        if self.sync is not None:
+            self.sync.shutdown()
+        if self.membership is not None:
+            self.membership.shutdown()
+        if self.metrics is not None:
+            self.metrics.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()

@@ -1,0 +1,126 @@
+"""The code's layout: layers import only downward, nothing imports in a circle, light modules stay light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("peer", "dht", "monitoring")
+
+#: module-name prefix -> layer (peer/__init__.py lists them); the longest matching prefix wins
+LAYERS = {
+    "peer": 1,
+    "peer.errors": 1,
+    "peer.seeding": 1,
+    "peer.faults": 1,
+    "peer.codecs": 1,
+    "peer.checkpoint": 1,
+    "dht": 1,
+    "monitoring": 1,
+    "peer.model": 2,
+    "peer.data": 3,
+    "peer.config": 4,
+    "peer.run": 5,
+    "peer.scheduler": 6,
+    "peer.sync": 7,
+    "peer.swarm": 8,
+    "peer.training": 9,
+    "peer.offline": 10,
+    "peer.cli": 11,
+    "peer.__main__": 11,
+}
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    raise AssertionError(f"{module} is in no layer: add it to peer/__init__.py and LAYERS")
+
+
+def project_modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules `path` imports anywhere in it (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import sub` imports pkg.sub when sub is a module
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]  # fmt: skip
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] in PACKAGES}
+    return found
+
+
+def test_every_import_points_down_or_sideways():
+    modules = project_modules()
+    upward = []
+    for name, path in modules.items():
+        for target in imports_of(path, modules):
+            if layer_of(target) > layer_of(name):
+                upward.append(f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_in_a_circle():
+    modules = project_modules()
+    graph = {name: {t for t in imports_of(path, modules) if t in modules and t != name}
+             for name, path in modules.items()}  # fmt: skip
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_config_tree_and_cli_load_without_torch():
+    code = (
+        "import sys, peer.config, peer.model.grid, peer.codecs.specs, peer.cli.main\n"
+        "heavy = sorted(m for m in ('torch', 'hivemind', 'bitsandbytes', 'datasets') if m in sys.modules)\n"
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def test_modules_stay_small_and_say_what_they_are():
+    too_long, undocumented = [], []
+    for name, path in project_modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > 450:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        tree = ast.parse(text)
+        if text.strip() and not ast.get_docstring(tree):
+            undocumented.append(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not ast.get_docstring(node):
+                undocumented.append(f"{name}.{node.name}")
+    assert not too_long, too_long
+    assert not undocumented, undocumented
