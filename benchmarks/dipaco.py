@@ -6,7 +6,7 @@ warm-started from a briefly trained dense base model, the dense model of one pat
 model about 4x that size (twice the width). Every model takes the same number of inner steps of the
 same batch shape: each path `warm_start + steps_per_path` (the warm start is the base run's first
 steps), each dense model `warm_start + steps_per_path`. Held-out documents are routed by their first
-32 tokens and scored after them (peer/eval.py). Writes DIR/dipaco.json, DIR/dipaco.png and
+32 tokens and scored after them (peer/offline/evaluation.py). Writes DIR/dipaco.json, DIR/dipaco.png and
 DIR/dipaco.md, and prints the table.
 
 Data: the built-in offline multi-domain corpus, or --data_files (one document per line .txt, or
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Set before torch loads OpenMP: spinning worker threads make a step many times slower when the
@@ -36,6 +37,7 @@ from peer.model.transformer import PathModel, count_parameters
 from peer.offline.evaluation import EvalResult, evaluate
 from peer.offline.experiment import DipacoOptions, run_dipaco
 from peer.offline.simulate import DenseTrainer, SimConfig, dense_config
+from peer.run.create import parse_grid
 
 TARGET_RATIO = 0.92  # the paper's 2x4 grid: 14.86 / 16.23 composite over dense path-size perplexity
 
@@ -89,14 +91,6 @@ def shared_fraction(cfg: ModelConfig) -> float:
     model = PathModel(cfg, paths[0])
     sizes = {mid: count_parameters(model.parts[mid]) for mid in model.module_ids}
     return sum(n for mid, n in sizes.items() if holders[mid] > 1) / sum(sizes.values())
-
-
-def parse_grid(text: str) -> tuple[int, int]:
-    try:
-        levels, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"grid {text!r}: expected LxK, e.g. 2x2") from None
-    return levels, k
 
 
 def smooth(values: list[float], n: int = 25) -> list[float]:
@@ -156,6 +150,80 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class Measured:
+    """Per model: its description, held-out evaluation, loss curve, shard sizes and training time."""
+
+    models: dict[str, dict] = field(default_factory=dict)
+    evals: dict[str, EvalResult] = field(default_factory=dict)
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    shards: dict[str, dict[str, int]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def sim_config(args: argparse.Namespace, levels: int, k: int, inner: InnerOptimizerConfig) -> SimConfig:
+    mcfg = ModelConfig(
+        d_model=args.d_model,
+        n_heads=max(1, args.d_model // 16),
+        d_ff=4 * args.d_model,
+        max_seq_len=max(128, args.seq_len + 1),
+        n_levels=levels,
+        modules_per_level=k,
+        blocks_per_module=args.blocks_per_module,
+        private_blocks_per_path=args.private_blocks,
+    )
+    return SimConfig(
+        model=mcfg,
+        seed=args.seed,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        inner_steps=args.inner_steps,
+        inner=inner,
+        outer=OuterOptimizerConfig(lr=args.outer_lr, momentum=args.outer_momentum),
+    )
+
+
+def train_grids(args, grids, inner, options, train, held_out, tok, m: Measured):
+    """Every DiPaCo grid; returns the first grid's route, dense run, name and config (the headline)."""
+    first = None
+    for levels, k in grids:
+        name = f"dipaco {levels}x{k}"
+        cfg = sim_config(args, levels, k, inner)
+        t0 = time.monotonic()
+        print(f"{name}: {cfg.model.n_paths} paths, {args.steps_per_path} steps each", flush=True)
+        run = run_dipaco(cfg, train, tok, args.steps_per_path, options)
+        m.timings[name] = time.monotonic() - t0
+        m.evals[name] = evaluate(run.grid(), held_out, tok, run.route, context=args.seq_len)
+        m.shards[name] = {str(p): len(d) for p, d in run.shards.items()}
+        losses = [s.loop.losses for s in run.sim.paths.values()]
+        m.curves[name] = [sum(x) / len(x) for x in zip(*losses, strict=True)]
+        m.models[name] = dict(
+            paths=cfg.model.n_paths, params_per_path=count_parameters(run.sim.path_model(0)), cfg=cfg.model
+        )
+        if first is None:
+            # The dense baseline is the base run itself, carried on to the same total steps.
+            first = (run.route, run.dense, f"{levels}x{k}", cfg)
+    return first
+
+
+def train_dense_models(args, route, dense_trainer, sim: SimConfig, train, held_out, tok, m: Measured):
+    total = args.warm_start_steps + args.steps_per_path
+    t0 = time.monotonic()
+    dense = dense_trainer.train(args.steps_per_path)
+    m.timings["dense"] = time.monotonic() - t0
+    m.evals["dense"] = evaluate(dense, held_out, tok, route, context=args.seq_len)
+    m.curves["dense"] = dense_trainer.loop.losses[args.warm_start_steps :]
+    m.models["dense"] = dict(paths=1, params_per_path=count_parameters(dense), cfg=dense_config(sim.model))
+    if not args.no_dense_4x:
+        t0 = time.monotonic()
+        big = DenseTrainer(sim, train, tok, total, width_multiplier=2, desc="dense 4x")
+        big_model = big.train(total)
+        m.timings["dense 4x"] = time.monotonic() - t0
+        m.evals["dense 4x"] = evaluate(big_model, held_out, tok, route, context=args.seq_len)
+        m.curves["dense 4x"] = big.loop.losses[args.warm_start_steps :]
+        m.models["dense 4x"] = dict(paths=1, params_per_path=count_parameters(big_model), cfg=big_model.cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -176,113 +244,64 @@ def main(argv: list[str] | None = None) -> int:
         balanced=not args.unbalanced,
         relabel_at=args.relabel_at,
     )
-    inner = InnerOptimizerConfig(
-        lr=args.lr, warmup_steps=50, total_steps=args.warm_start_steps + args.steps_per_path
-    )
     total = args.warm_start_steps + args.steps_per_path
-    models: dict[str, dict] = {}
-    evals: dict[str, EvalResult] = {}
-    curves: dict[str, list[float]] = {}
-    shards: dict[str, dict[str, int]] = {}
-    timings: dict[str, float] = {}
-    first_route, dense_trainer, main_grid, main_sim = None, None, None, None
-    for levels, k in grids:
-        name = f"dipaco {levels}x{k}"
-        mcfg = ModelConfig(
-            d_model=args.d_model,
-            n_heads=max(1, args.d_model // 16),
-            d_ff=4 * args.d_model,
-            max_seq_len=max(128, args.seq_len + 1),
-            n_levels=levels,
-            modules_per_level=k,
-            blocks_per_module=args.blocks_per_module,
-            private_blocks_per_path=args.private_blocks,
-        )
-        cfg = SimConfig(
-            model=mcfg,
-            seed=args.seed,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            inner_steps=args.inner_steps,
-            inner=inner,
-            outer=OuterOptimizerConfig(lr=args.outer_lr, momentum=args.outer_momentum),
-        )
-        t0 = time.monotonic()
-        print(f"{name}: {mcfg.n_paths} paths, {args.steps_per_path} steps each", flush=True)
-        run = run_dipaco(cfg, train, tok, args.steps_per_path, options)
-        timings[name] = time.monotonic() - t0
-        evals[name] = evaluate(run.grid(), held_out, tok, run.route, context=args.seq_len)
-        shards[name] = {str(p): len(d) for p, d in run.shards.items()}
-        losses = [s.loop.losses for s in run.sim.paths.values()]
-        curves[name] = [sum(x) / len(x) for x in zip(*losses, strict=True)]
-        models[name] = dict(
-            paths=mcfg.n_paths, params_per_path=count_parameters(run.sim.path_model(0)), cfg=mcfg
-        )
-        if dense_trainer is None:
-            # The dense baseline is the base run itself, carried on to the same total steps.
-            first_route, dense_trainer, main_grid, main_sim = run.route, run.dense, f"{levels}x{k}", cfg
-    assert dense_trainer is not None and main_sim is not None
-    main_cfg = main_sim.model
-    t0 = time.monotonic()
-    dense = dense_trainer.train(args.steps_per_path)
-    timings["dense"] = time.monotonic() - t0
-    evals["dense"] = evaluate(dense, held_out, tok, first_route, context=args.seq_len)
-    curves["dense"] = dense_trainer.loop.losses[args.warm_start_steps :]
-    models["dense"] = dict(paths=1, params_per_path=count_parameters(dense), cfg=dense_config(main_cfg))
-    if not args.no_dense_4x:
-        t0 = time.monotonic()
-        big = DenseTrainer(main_sim, train, tok, total, width_multiplier=2, desc="dense 4x")
-        big_model = big.train(total)
-        timings["dense 4x"] = time.monotonic() - t0
-        evals["dense 4x"] = evaluate(big_model, held_out, tok, first_route, context=args.seq_len)
-        curves["dense 4x"] = big.loop.losses[args.warm_start_steps :]
-        models["dense 4x"] = dict(paths=1, params_per_path=count_parameters(big_model), cfg=big_model.cfg)
-    for name, m in models.items():
-        m.update(ppl=evals[name].ppl, eval=evals[name].to_dict(), train_seconds=timings[name])
-        m["cfg"] = m["cfg"].model_dump()
+    inner = InnerOptimizerConfig(lr=args.lr, warmup_steps=50, total_steps=total)
+    m = Measured()
+    route, dense_trainer, main_grid, main_sim = train_grids(
+        args, grids, inner, options, train, held_out, tok, m
+    )
+    train_dense_models(args, route, dense_trainer, main_sim, train, held_out, tok, m)
+    for name, model in m.models.items():
+        model.update(ppl=m.evals[name].ppl, eval=m.evals[name].to_dict(), train_seconds=m.timings[name])
+        model["cfg"] = model["cfg"].model_dump()
+    results = summarize(args, m, main_grid, main_sim, spec, len(train), options)
+    results["wall_seconds"] = time.monotonic() - started
+    results["cpu_seconds"] = time.process_time()
+    (args.out / "dipaco.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot(args.out / "dipaco.png", results, m.curves)
+    text = table(results)
+    (args.out / "dipaco.md").write_text("# DiPaCo vs dense at equal steps per path\n\n" + text + "\n")
+    print(text)
+    return 0 if math.isfinite(results["ratio"]) else 1
+
+
+def summarize(args, m: Measured, main_grid: str, main_sim: SimConfig, spec, n_train: int, options) -> dict:
+    evals, models = m.evals, m.models
     main_name = f"dipaco {main_grid}"
-    results = dict(
+    return dict(
         composite_ppl=evals[main_name].ppl,
         dense_ppl=evals["dense"].ppl,
         dense_4x_ppl=evals["dense 4x"].ppl if "dense 4x" in evals else None,
         ratio=evals[main_name].ppl / evals["dense"].ppl,
         grid=main_grid,
-        grids={name: m["ppl"] for name, m in models.items() if name.startswith("dipaco")},
-        ratios={name: m["ppl"] / evals["dense"].ppl for name, m in models.items()},
+        grids={name: x["ppl"] for name, x in models.items() if name.startswith("dipaco")},
+        ratios={name: x["ppl"] / evals["dense"].ppl for name, x in models.items()},
         target_ratio=TARGET_RATIO,
         steps_per_path=args.steps_per_path,
         warm_start_steps=args.warm_start_steps,
-        dense_steps=total,
+        dense_steps=args.warm_start_steps + args.steps_per_path,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
-        shared_fraction=shared_fraction(main_cfg),
+        shared_fraction=shared_fraction(main_sim.model),
         shared_fractions={
             f"{c.n_levels}x{c.modules_per_level}": shared_fraction(c)
             for c in (ModelConfig(**models[n]["cfg"]) for n in models if n.startswith("dipaco"))
         },
-        shard_sizes=shards[main_name],
-        all_shard_sizes=shards,
+        shard_sizes=m.shards[main_name],
+        all_shard_sizes=m.shards,
         dense_4x_param_ratio=(models["dense 4x"]["params_per_path"] / models["dense"]["params_per_path"])
         if "dense 4x" in models
         else None,
         eval_docs=evals["dense"].docs,
         eval_tokens=evals["dense"].tokens,
         data=spec.model_dump(),
-        train_docs=len(train),
+        train_docs=n_train,
         options=options.model_dump(),
         args={k: str(v) for k, v in vars(args).items()},
         torch_threads=torch.get_num_threads(),
         cpu_count=os.cpu_count(),
         models=models,
     )
-    results["wall_seconds"] = time.monotonic() - started
-    results["cpu_seconds"] = time.process_time()
-    (args.out / "dipaco.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    plot(args.out / "dipaco.png", results, curves)
-    text = table(results)
-    (args.out / "dipaco.md").write_text("# DiPaCo vs dense at equal steps per path\n\n" + text + "\n")
-    print(text)
-    return 0 if math.isfinite(results["ratio"]) else 1
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ class PeerConfig(BaseModel):
     #: whose peers start together; 0 = start at once
     wait_for_peers: int = Field(0, ge=0)
     wait_for_peers_timeout_seconds: float = Field(300.0, gt=0)
-    #: inject measured values (tests, benchmarks): see peer/probes.py load_probe_file
+    #: inject measured values (tests, benchmarks): see peer/swarm/probes.py load_probe_file
     probe_file: Path | None = None
     torch_threads: int | None = Field(None, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -37,6 +37,10 @@ def error_lines(stderr: str) -> list[str]:
         (["peer", "--run", "demo"], "--initial_peers"),
         (["peer", "--run", "demo", "--new_swarm"], "--manifest_path"),
         (["peer", "--run", "demo", "--initial_peers", "not-a-multiaddr"], "multiaddress"),
+        (
+            ["peer", "--run", "demo", "--new_swarm", "--manifest_path", "m.json", "--resume"],
+            "--checkpoint_dir",
+        ),
     ],
 )
 def test_bad_flags_fail_with_one_line(args, fragment):
@@ -77,3 +81,26 @@ def test_malformed_config_file_is_one_line(tmp_path):
     assert code == 2 and len(error_lines(stderr)) == 1
     with pytest.raises(ConfigError, match="batch_size"):
         load_peer_config({"run": "x", "batch_size": "many"})
+
+
+NO_CUDA = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks what a machine without CUDA refuses"
+)
+
+
+@pytest.mark.parametrize(
+    "values,fragment",
+    [
+        ({"resume": True}, "--resume needs --checkpoint_dir"),
+        ({"new_swarm": True, "initial_peers": []}, "--new_swarm needs --manifest_path"),
+        ({"initial_peers": []}, "give --initial_peers"),
+        ({"inner_optimizer": "adamw8bit", "device": "cpu"}, "adamw8bit needs a CUDA device"),
+        pytest.param({"inner_optimizer": "adamw8bit"}, "adamw8bit needs a CUDA device", marks=NO_CUDA),
+        pytest.param({"device": "cuda:0"}, "CUDA is not available", marks=NO_CUDA),
+    ],
+)
+def test_config_mistakes_are_refused_by_the_config_tree(values, fragment):
+    base = {"run": "demo", "initial_peers": ["/ip4/1.2.3.4/tcp/1/p2p/" + DEAD_PEER.rsplit("/", 1)[1]]}
+    with pytest.raises(ConfigError, match=fragment) as err:
+        load_peer_config({**base, **values})
+    assert "\n" not in str(err.value)

@@ -1,4 +1,4 @@
-"""The emulated WAN of benchmarks/netlab.py: connectivity, the egress cap, counters, teardown.
+"""The emulated WAN of benchmarks/wan/netlab.py: connectivity, the egress cap, counters, teardown.
 
 Needs root and network namespaces; skipped (not failed) where they cannot be made.
 """
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from benchmarks.netlab import NetLab, can_make_namespaces, lab_links, lab_namespaces
+from benchmarks.wan.netlab import NetLab, can_make_namespaces, lab_links, lab_namespaces
 
 OK, WHY = can_make_namespaces()
 pytestmark = [

@@ -25,22 +25,27 @@ from peer.swarm.claims import live_claims
 RUN = "swarmtest"
 
 
-@pytest.fixture(scope="module")
-def manifest_file(tmp_path_factory) -> tuple[Path, str]:
+def write_manifest(folder: Path, inner_steps: int = 10, fragments: int = 1) -> tuple[Path, str]:
+    """A tiny signed run (2x2 grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`."""
     manifest = build_manifest(
         RUN,
         ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64),
         DatasetSpec(kind="builtin", builtin_docs=400),
         seq_len=32,
-        inner_steps=10,
+        inner_steps=inner_steps,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
-        sync=SyncConfig(matchmaking_time_seconds=3.0, averaging_timeout_seconds=10.0),
+        sync=SyncConfig(fragments=fragments, matchmaking_time_seconds=3.0, averaging_timeout_seconds=10.0),
         router_docs=200,
     )
     record = sign_manifest(manifest, RSAPrivateKey())
-    path = tmp_path_factory.mktemp("run") / "manifest.json"
+    path = folder / "manifest.json"
     save_record(record, path)
     return path, record.run_id
+
+
+@pytest.fixture(scope="module")
+def manifest_file(tmp_path_factory) -> tuple[Path, str]:
+    return write_manifest(tmp_path_factory.mktemp("run"))
 
 
 def peer_args(run_id: str, ckpt: Path, *extra: str) -> list[str]:
@@ -183,3 +188,33 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
         assert time.monotonic() - started < 30
     tensors, meta = load_latest_checkpoint(ckpt)
     assert meta["step"] >= 10
+
+
+def test_resumed_p4_peer_keeps_each_fragments_round_and_rejoins_its_groups(tmp_path):
+    """H = 8, P = 4: fragment p syncs after steps 2p, 2p + 8, ... Peers stopped after step 12 have
+    fragments at rounds [1, 2, 2, 1]; resumed to step 16, fragment 3 (step 14) and fragment 0
+    (step 16) sync again, with each other, and every fragment ends at round 2."""
+    path, run_id = write_manifest(tmp_path, inner_steps=8, fragments=4)
+    names = ("a", "b")
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(path)])
+        for phase, extra in (("1", ["--max_steps", "12"]), ("2", ["--max_steps", "16", "--resume"])):
+            for name in names:
+                args = peer_args(run_id, tmp_path / name, "--path", "0", "--wait_for_peers", "2", *extra)
+                swarm.start_peer(name + phase, args)
+            for name in names:
+                log = swarm.log_path(name + phase)
+                assert swarm.wait(name + phase, timeout=120) == 0, log.read_text()[-3000:]
+            if phase == "1":
+                for name in names:
+                    _, meta = load_latest_checkpoint(tmp_path / name)
+                    assert meta["step"] == 12
+                    assert meta["fragment_rounds"] == {m: [1, 2, 2, 1] for m in ("trunk", "l0m0", "l1m0")}
+    for name in names:
+        _, meta = load_latest_checkpoint(tmp_path / name)
+        assert meta["step"] == 16
+        assert meta["fragment_rounds"] == {m: [2, 2, 2, 2] for m in ("trunk", "l0m0", "l1m0")}
+        last = meta["history"][-1]
+        assert last["step"] == 16 and sorted(last["fragments"]) == ["0", "3"], last
+        for fragment, outcomes in last["fragments"].items():
+            assert set(outcomes.values()) == {"averaged/2"}, (name, fragment, outcomes)

@@ -3,7 +3,7 @@
 Runs entirely offline on one of Yuan et al.'s five network scenarios or a JSON file of measured
 matrices, and prints the planned round time against random and greedy assignment, plus the exact
 optimum when the swarm is small enough to enumerate. `register` adds the subcommand to the
-`pathswarm` parser; peer/cli.py wires it in.
+`pathswarm` parser; peer/cli/main.py wires it in.
 """
 
 from __future__ import annotations

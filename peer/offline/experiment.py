@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from peer.data.batches import encode_document
 from peer.model.grid import path_from_index
-from peer.model.route import feature_model, prefix_features, route_documents, route_function
+from peer.model.route import Route, feature_model, prefix_features, route_documents, route_function
 from peer.model.router import Router, discriminative_relabel, fit_router
 from peer.model.tokenizer import Tokenizer
 from peer.model.transformer import GridModel, PathModel
@@ -29,7 +29,6 @@ from peer.offline.evaluation import PREFIX_TOKENS, score_documents
 from peer.offline.simulate import DenseTrainer, DipacoSim, SimConfig, warm_start_modules
 
 logger = logging.getLogger(__name__)
-Route = Callable[[list[list[int]]], list[int]]
 
 
 class DipacoOptions(BaseModel):
@@ -40,7 +39,7 @@ class DipacoOptions(BaseModel):
     #: dense steps before the paths split off (0: every module starts from the seeded init)
     warm_start_steps: int = Field(0, ge=0)
     #: "base": prefix features of the trained base model; "init": of the untrained path-0 model, as
-    #: `run_setup.make_route` (what a swarm run without a base model can rebuild from the seed)
+    #: `peer.run.rebuild.make_route` (what a swarm run without a base model can rebuild from the seed)
     router_features: Literal["base", "init"] = "base"
     router_kind: Literal["kmeans", "product_kmeans"] = "product_kmeans"
     balanced: bool = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from peer.config import RunManifest
 from peer.errors import ConfigError
 from peer.model.grid import ModelConfig, check_path, path_from_index, path_index, path_module_ids
-from peer.model.route import route_function
+from peer.model.route import Route, route_function
 from peer.model.router import Router
 from peer.model.tokenizer import Tokenizer, load_tokenizer
 from peer.model.transformer import GridModel, PathModel
@@ -31,7 +30,6 @@ EXPORT_FORMAT = "pathswarm-path"
 EXPORT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-Route = Callable[[list[list[int]]], list[int]]
 
 
 @dataclass
@@ -75,7 +73,7 @@ def generate(
     context_len: int | None = None,
 ) -> Generation:
     """Samples a continuation of `prompt` from the path its prefix routes to. `router` is a route
-    function (as `run_setup.make_route`) or a `Router` with its `feature_model`; it is unused for a
+    function (as `peer.run.rebuild.make_route`) or a `Router` with its `feature_model`; it is unused for a
     `PathModel`. temperature 0 is greedy. The context is cropped to `context_len` (default
     max_seq_len; pass the run's seq_len, the window the model was trained on)."""
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):

@@ -4,7 +4,7 @@
 its own process) over one flat buffer: a module's outer gradient, or one fragment of it at a time.
 Around hivemind it adds:
 
-* `SymmetricAllReduceRunner` (peer/allreduce.py): validated parts, one identical average for every
+* `SymmetricAllReduceRunner` (peer/sync/allreduce.py): validated parts, one identical average for every
   holder, explicit counts of failed parts, bytes on the wire;
 * an end-to-end check: every member all-gathers a checksum of its input (random-sign projections)
   and the result must agree with their weighted mean, so a partial average is reported, never
@@ -270,13 +270,17 @@ class ModuleAverager(DecentralizedAverager):
         """Checksum projections plus the L1 norm: equal copies agree to ~1e-7 of the norm."""
         return self.checksum(flat) + [float(flat.detach().double().abs().sum())]
 
-    def set_group(self, fragment: int, n_fragments: int, subgroup: int | None = None) -> None:
+    def set_group(
+        self, fragment: int, n_fragments: int, subgroup: int | None = None, round_index: int = 0
+    ) -> None:
         """Groups form per fragment, and per planned subgroup when a module has many holders: both
         go into hivemind's group key bits, so holders out of phase never average fragment 1 with
-        fragment 0, and subgroups of one module never merge."""
+        fragment 0, and subgroups of one module never merge. A planned subgroup is one round's: its
+        key also carries the round, so a holder a round behind never meets another round's group
+        (indices repeat from round to round)."""
         bits = format(fragment, f"0{max(1, (n_fragments - 1).bit_length())}b") if n_fragments > 1 else ""
         if subgroup is not None:
-            bits += format(subgroup % 256, "08b")
+            bits += format(subgroup % 256, "08b") + format(round_index % 16, "04b")
         # Set every round: after each all-reduce hivemind rotates non-empty group bits itself
         # (Moshpit-style), which would scramble fragments and planned subgroups.
         if bits or getattr(self, "_group_bits", ""):

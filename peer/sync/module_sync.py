@@ -1,6 +1,6 @@
 """DiLoCo state of one module on one peer: global copy, outer optimizers, averager, per fragment.
 
-The global copy θ̄ lives on the CPU in fp32, as one flat vector per fragment (peer/fragments.py) with
+The global copy θ̄ lives on the CPU in fp32, as one flat vector per fragment (peer/sync/fragments.py) with
 its own SGD-Nesterov outer optimizer. A fragment's outer gradient is Δ = θ̄ − θ_local. After the
 holders averaged their Δ, the outer step gives θ̃ and the local fragment is merged:
 θ_local ← α·θ_local + (1−α)·θ̃ when the sync overlapped τ > 0 inner steps (Streaming DiLoCo), or

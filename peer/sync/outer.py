@@ -106,13 +106,15 @@ class StreamingOuter:
                 continue
             delta = ms.outer_gradient(fragment)
             n_holders = len(set(holders.get(mid, [])) | {self.peer_id})
-            group = self.group_of(mid, self.round_of()) if self.group_of and self.round_of else None
+            round_index = self.round_of() if self.round_of else 0
+            group = self.group_of(mid, round_index) if self.group_of else None
             if group is not None:
                 n_holders = len(group[1])
             if n_holders < 2 or ms.averager is None:
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
-            ms.averager.set_group(fragment, self.sync.fragments, None if group is None else group[0])
+            subgroup = None if group is None else group[0]
+            ms.averager.set_group(fragment, self.sync.fragments, subgroup, round_index)
             ms.averager.set_target_group_size(n_holders)
             pending.controls[mid] = ms.averager.start_round(
                 delta,

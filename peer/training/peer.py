@@ -9,7 +9,7 @@ leaving and shuts everything down; it is safe to call at any point.
 
 from __future__ import annotations
 
-import importlib.metadata
+import itertools
 import logging
 import math
 import threading
@@ -23,6 +23,7 @@ from dht.node import start_dht
 from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
+from peer import __version__
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
@@ -45,13 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: throughput is reported over windows of at least this long
 TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
-
-
-def pathswarm_version() -> str:
-    try:
-        return importlib.metadata.version("pathswarm")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class Peer:
@@ -162,7 +156,7 @@ class Peer:
         self.model = PathModel(m.model, self.path, seed=m.seed).to(self.device)
         self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
         self.metrics = PeerMetrics(
-            self.config.run, self.peer_id, str(path_index(m.model, self.path)), pathswarm_version()
+            self.config.run, self.peer_id, str(path_index(m.model, self.path)), __version__
         )
         self.sync = PathSync(
             m,
@@ -175,7 +169,7 @@ class Peer:
 
     def _start_data(self) -> None:
         m = self.manifest
-        self.batches = PathBatches(
+        batches = PathBatches(
             load_documents(m.dataset),
             make_route(m),
             path_index(m.model, self.path),
@@ -185,6 +179,9 @@ class Peer:
             seed=stable_seed(self.peer_id, self.step),
             eval_fraction=m.dataset.eval_fraction,
         )
+        # The first batch routes the path's whole shard (seconds): do it before announcing that we
+        # are ready, so a start barrier releases peers that can all step at once.
+        self.batches = itertools.chain([next(batches)], batches)
 
     def _progress(self) -> Progress:
         return Progress(

@@ -25,11 +25,14 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+#: seconds between two readings of every host's veth counters
+SAMPLE_SECONDS = 0.2
 PREFIX = "psw-"
 # cgroup v1 cpu controller: it takes single threads (v2 needs threaded subtrees), so a peer's training
 # thread can get a CPU quota while its networking threads run outside it
@@ -362,3 +365,19 @@ def _signal(pid: int, sig: int, group: bool) -> None:
             os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class Sampler(threading.Thread):
+    """Reads every host's veth counters every SAMPLE_SECONDS: (time, [(tx, rx) per host])."""
+
+    def __init__(self, lab: NetLab):
+        super().__init__(daemon=True)
+        self.lab = lab
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.samples.append((time.time(), self.lab.counters()))
+            self.stopped.wait(SAMPLE_SECONDS)
+        self.samples.append((time.time(), self.lab.counters()))

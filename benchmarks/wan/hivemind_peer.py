@@ -10,7 +10,7 @@ hivemind: an epoch ends on samples only, not also on its wall-clock ETA (see `_r
 Its checkpoints hold the peer's parameters as `local/...` and a history in the same format as a
 pathswarm peer's, so the benchmark reads both the same way.
 
-    python -m benchmarks.hivemind_peer --manifest_path M --initial_peers ... --host_maddrs ...
+    python -m benchmarks.wan.hivemind_peer --manifest_path M --initial_peers ... --host_maddrs ...
         --index 0 --peers 4 --max_steps 200 --batch_size 8 --checkpoint_dir D
 """
 
@@ -60,7 +60,7 @@ ProgressTracker.ready_to_update_epoch = property(_ready_by_samples)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.hivemind_peer", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.wan.hivemind_peer", description=__doc__.splitlines()[0]
     )
     p.add_argument("--manifest_path", type=Path, required=True)
     p.add_argument("--initial_peers", nargs="*", default=[])

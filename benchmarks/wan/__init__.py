@@ -1,0 +1,43 @@
+"""Streaming DiLoCo on an emulated WAN: `python -m benchmarks.wan --out DIR`.
+
+Four configurations train the same model on the same data with the same inner optimizer, batch and
+number of steps, one after the other, each with `--peers` peers in their own network namespaces
+whose egress is capped at `--cap_mbit` (`netlab`). The grid is 1×1, so every peer holds
+every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
+
+* `no_sync` — the compute ceiling: every peer is its own swarm (`--new_swarm`), so nothing is ever
+  on the wire, and α = 1 with τ = 1, so its (own) outer step never touches the local model either:
+  plain local AdamW. (Peers of one swarm with α = 1 would still spend CPU, bandwidth and waits on
+  averaging; isolation measures compute alone.)
+* `diloco_fp32` — blocking per-module DiLoCo: P = 1, τ = 0, fp32 outer gradients.
+* `streaming_4bit` — P fragments synced H/P steps apart, overlapped τ steps, α = 0.5, a 4-bit codec.
+  Unless `--overlap_steps` is given, τ is derived from the two runs before it: the step time of
+  `no_sync` and the blocking sync time of `diloco_fp32` (see `derive_tau`).
+* `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
+  in fp32 every peers × batch × H samples (`hivemind_peer`).
+
+Four peers share this box's two cores, so each peer's training thread runs under a CPU quota
+(`--compute_cores`, a cgroup): its "accelerator". Its networking (DHT, averagers, p2pd) runs
+outside the quota at a higher priority, as the host CPU of a real peer would (`PeerCpu`). CPU
+seconds of both are recorded. Defaults (3.2M-parameter model, batch 4×64 tokens, H = 48, P = 4)
+make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take about 15 minutes.
+
+Measured per configuration (means over peers):
+* `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, over the window in which all of a
+  configuration's peers were training (start-up skew would otherwise flatter the early starters);
+* `bytes_sent_per_peer_per_round`: egress on the peer's veth (everything: payload, DHT, TCP/IP
+  headers) over that window, divided by the rounds (H inner steps) in it;
+* `peak_bytes_per_sync`: the most payload bytes a peer sent for one sync event (peers' checkpoint
+  history `peak_sync_bytes`; hivemind reports none, so its value is the largest burst of bytes on
+  its veth, the wire-level `peak_wire_burst_bytes` that is also given for every configuration);
+* `eval_loss`: mean next-token NLL on held-out documents (split "eval") after the same number of
+  steps, of peer 0's global copy (the averaged model), or of its local model where there is no
+  global one (`no_sync`, hivemind).
+
+Writes DIR/wan.json, DIR/wan.md, DIR/wan.png and DIR/<config>/ (manifest, logs, checkpoints). Skips
+(exit 0) where network namespaces cannot be made.
+
+Modules: `netlab` (namespaces, caps, loss, veth counters), `cpu` (the peers' CPU quota and
+accounting), `driver` (configurations and their peers), `report` (measurements, targets, table,
+plot), `hivemind_peer` (the hivemind.Optimizer baseline peer).
+"""

@@ -1,0 +1,123 @@
+"""CPU accounting and placement of the WAN lab's peers: a quota for each peer's training thread,
+priority for its networking, and CPU seconds of both.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from benchmarks.wan.netlab import CPU_CGROUP_ROOT, Host, NetLab
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class PeerCpu(threading.Thread):
+    """How a peer's CPU is shared, the same for every configuration, and what it was spent on.
+
+    Four peers share two cores here. Each peer's training thread (its main thread) gets a CPU quota,
+    `--compute_cores` (netlab's per-host cgroup): it plays the peer's accelerator, a fixed compute
+    budget. Everything else in the peer's process group (DHT and averager processes, p2pd, helper
+    threads) runs outside the quota and `--comm_priority` nice levels above the training threads:
+    on a real peer the accelerator computes while the CPU talks, whereas here a peer's compute
+    would otherwise starve its own networking (RPCs time out, groups split) and every byte of
+    communication would be paid for in compute. CPU seconds are recorded per thread."""
+
+    def __init__(self, lab: NetLab, leaders: dict[int, Host], cores: float | None, boost: int):
+        super().__init__(daemon=True)
+        self.lab, self.hosts, self.cores = lab, leaders, cores
+        self.leaders = set(leaders)
+        self.train_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.comm_nice = max(-20, self.train_nice - boost)
+        self.stopped = threading.Event()
+        self.limited: set[int] = set()
+        # CPU seconds last seen per (leader, pid, tid): what compute and communication cost
+        self.cpu: dict[tuple[int, int, int], float] = {}
+        self.names: dict[int, str] = {}
+
+    def run(self) -> None:
+        while True:
+            for pid, leader in _group_members(self.leaders):
+                for tid in _threads(pid):
+                    try:
+                        self._place(tid)
+                        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                    except OSError:
+                        continue  # the thread ended meanwhile
+                    self.cpu[(leader, pid, tid)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+                    if pid not in self.names:
+                        self.names[pid] = _process_name(pid)
+            if self.stopped.wait(0.5):
+                return
+
+    def _place(self, tid: int) -> None:
+        training = tid in self.leaders
+        target = self.train_nice if training else self.comm_nice
+        if os.getpriority(os.PRIO_PROCESS, tid) != target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+        if not self.cores:
+            return
+        if training and tid not in self.limited:
+            self.lab.limit_thread_cpu(self.hosts[tid], tid, self.cores)
+            self.limited.add(tid)
+        elif not training and "/psw-" in _cpu_cgroup(tid):
+            # threads and processes started by a training thread inherit its cgroup: not theirs
+            (CPU_CGROUP_ROOT / "tasks").write_text(str(tid))
+
+    def cpu_seconds(self) -> dict:
+        """CPU seconds of the training threads and of everything else (networking), per peer."""
+        compute = sum(v for (_, _, tid), v in self.cpu.items() if tid in self.leaders)
+        comm = sum(v for (_, _, tid), v in self.cpu.items() if tid not in self.leaders)
+        n = max(1, len(self.leaders))
+        by_process: dict[str, float] = {}
+        for (leader, pid, tid), v in self.cpu.items():
+            name = "training thread" if tid in self.leaders else self.names.get(pid, "?")
+            name = "peer main process (other threads)" if pid == leader and tid != leader else name
+            by_process[name] = by_process.get(name, 0.0) + v / n
+        return dict(
+            compute_cpu_seconds_per_peer=compute / n,
+            comm_cpu_seconds_per_peer=comm / n,
+            cpu_seconds_per_peer_by_process=by_process,
+        )
+
+
+def _cpu_cgroup(tid: int) -> str:
+    for line in Path(f"/proc/{tid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return ""
+
+
+def _group_members(groups: set[int]) -> list[tuple[int, int]]:
+    """(pid, process group) of every process in one of these groups."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) in groups:  # field 5 of stat: the process group
+            out.append((int(entry.name), int(fields[2])))
+    return out
+
+
+def _process_name(pid: int) -> str:
+    """ "p2pd", or the Python process's role from its title/command line."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+    return comm if "python" not in comm else (cmdline.split()[0] if cmdline else comm)
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []

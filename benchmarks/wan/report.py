@@ -1,0 +1,265 @@
+"""What the WAN lab measured: throughput in the window where every peer trained, bytes on the wire per
+round and per sync, evaluation loss, codec errors, the targets, and the markdown table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from peer.config import RunManifest
+from peer.model.tokenizer import load_tokenizer
+from peer.model.transformer import PathModel
+from peer.offline.evaluation import evaluate
+
+
+@dataclass
+class Outcome:
+    name: str
+    manifest: RunManifest
+    histories: list[list[dict]]
+    finals: list[dict]  # checkpoint meta of each peer
+    tensors: dict[str, torch.Tensor]  # peer 0's final checkpoint
+    samples: list
+    commands: list[list[str]]
+    wall_seconds: float
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+def _interp(points: list[tuple[float, float]], t: float) -> float:
+    """Piecewise-linear value at time t of ascending (time, value) points, clamped at the ends."""
+    if t <= points[0][0]:
+        return points[0][1]
+    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return points[-1][1]
+
+
+def training_window(histories: list[list[dict]]) -> tuple[float, float]:
+    """The wall-clock interval in which every peer was training."""
+    starts = [h[0]["time"] - h[0]["train_seconds"] for h in histories]
+    ends = [h[-1]["time"] for h in histories]
+    return max(starts), min(ends)
+
+
+def measure(o: Outcome, args: argparse.Namespace) -> dict:
+    if any(not h for h in o.histories):
+        raise RuntimeError(f"{o.name}: a peer recorded no round")
+    t0, t1 = training_window(o.histories)
+    if t1 <= t0:
+        raise RuntimeError(f"{o.name}: the peers never trained at the same time ({t0:.1f} > {t1:.1f})")
+    tps, tps_whole, rounds_in_window = [], [], []
+    for h in o.histories:
+        start = h[0]["time"] - h[0]["train_seconds"]
+        tokens = [(start, 0.0)] + [(e["time"], float(e["tokens_total"])) for e in h]
+        steps = [(start, 0.0)] + [(e["time"], float(e["step"])) for e in h]
+        tps.append((_interp(tokens, t1) - _interp(tokens, t0)) / (t1 - t0))
+        tps_whole.append(h[-1]["tokens_total"] / h[-1]["train_seconds"])
+        rounds_in_window.append((_interp(steps, t1) - _interp(steps, t0)) / args.inner_steps)
+    n_hosts = len(o.histories)
+    wire, wire_rx, peaks, in_bursts = [], [], [], []
+    for i in range(n_hosts):
+        series = [(t, c[i + 1][0]) for t, c in o.samples]  # host 0 is the hub
+        series_rx = [(t, c[i + 1][1]) for t, c in o.samples]
+        wire.append(_interp(series, t1) - _interp(series, t0))
+        wire_rx.append(_interp(series_rx, t1) - _interp(series_rx, t0))
+        found = bursts(series, t0, t1, args.cap_mbit)
+        peaks.append(max(found, default=0))
+        in_bursts.append(sum(found))
+    rounds = sum(rounds_in_window) / n_hosts
+    payload = [sum(e.get("bytes_sent") or 0 for e in h) for h in o.histories]
+    peak_payload = [max((e.get("peak_sync_bytes") or 0 for e in h), default=0) for h in o.histories]
+    has_payload = any(peak_payload)
+    steps_done = [f["step"] for f in o.finals]
+    return dict(
+        tokens_per_second=sum(tps) / n_hosts,
+        tokens_per_second_per_peer=tps,
+        tokens_per_second_whole_run=sum(tps_whole) / n_hosts,
+        window_seconds=t1 - t0,
+        rounds_in_window=rounds,
+        wire_bytes_per_round=sum(wire) / n_hosts / rounds if rounds else 0.0,
+        wire_rx_bytes_per_round=sum(wire_rx) / n_hosts / rounds if rounds else 0.0,
+        # the part of the egress sent in bursts (syncs) and the steady rest (DHT, heartbeats, matchmaking)
+        wire_burst_bytes_per_round=sum(in_bursts) / n_hosts / rounds if rounds else 0.0,
+        wire_background_bytes_per_second=(sum(wire) - sum(in_bursts)) / n_hosts / (t1 - t0),
+        payload_bytes_per_round=sum(payload) / n_hosts / (max(steps_done) / args.inner_steps)
+        if has_payload
+        else None,
+        peak_payload_bytes_per_sync=max(peak_payload) if has_payload else None,
+        peak_wire_burst_bytes=max(peaks),
+        steps=steps_done,
+        outcomes_last_round=o.histories[0][-1].get("outcomes"),
+        train_loss_last_round=sum(h[-1]["loss"] for h in o.histories) / n_hosts,
+        wall_seconds=o.wall_seconds,
+        **o.cpu,
+    )
+
+
+def bursts(series: list[tuple[float, int]], t0: float, t1: float, cap_mbit: float) -> list[int]:
+    """Bytes of each run of samples sending faster than 10% of the cap (a sync on the wire); the
+    DHT's heartbeats stay far below that."""
+    threshold = 0.1 * cap_mbit * 1e6 / 8
+    out, current = [], 0
+    for (ta, a), (tb, b) in zip(series, series[1:], strict=False):
+        if ta < t0 or tb > t1:  # whole sample intervals inside the window
+            continue
+        if tb > ta and (b - a) / (tb - ta) > threshold:
+            current += b - a
+        elif current:
+            out.append(current)
+            current = 0
+    if current:
+        out.append(current)
+    return out
+
+
+def load_weights(model: PathModel, tensors: dict[str, torch.Tensor], which: str) -> None:
+    with torch.no_grad():
+        for mid, module in model.parts.items():
+            for name, p in module.named_parameters():
+                key = f"{mid}/global/{name}" if which == "global" else f"local/parts.{mid}.{name}"
+                p.copy_(tensors[key].to(p.dtype))
+
+
+def eval_loss(manifest: RunManifest, tensors: dict[str, torch.Tensor], which: str, docs: list[str]) -> float:
+    model = PathModel(manifest.model, (0,) * manifest.model.n_levels, seed=manifest.seed)
+    load_weights(model, tensors, which)
+    result = evaluate(model, docs, load_tokenizer(manifest.tokenizer), context=manifest.seq_len)
+    return result.nll / result.tokens
+
+
+def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Relative L2 error and cosine of each 4-bit codec on an outer-gradient-like vector: the gap
+    between a streaming peer's global copy and its local model at the end (same bytes for both)."""
+    from hivemind.compression import CompressionInfo
+
+    from peer.codecs.formats import E3M0Codec, NF4Codec
+
+    parts = []
+    for key, value in tensors.items():
+        if "/global/" in key:
+            mid, name = key.split("/global/")
+            parts.append((value - tensors[f"local/parts.{mid}.{name}"]).reshape(-1).float())
+    delta = torch.cat(parts)
+    out = {}
+    for name, codec in (("nf4", NF4Codec()), ("e3m0", E3M0Codec())):
+        msg = codec.compress(delta, CompressionInfo.from_tensor(delta))
+        back = codec.extract(msg)
+        out[name] = dict(
+            relative_l2_error=float((back - delta).norm() / delta.norm()),
+            cosine=float(torch.nn.functional.cosine_similarity(back, delta, dim=0)),
+            bytes_per_value=len(msg.buffer) / delta.numel(),
+        )
+    return out
+
+
+def targets_report(runs: dict[str, dict], fragments: int) -> dict:
+    s, d = runs.get("streaming_4bit"), runs.get("diloco_fp32")
+    out: dict = {}
+    if d:
+        out["diloco_fp32 tokens_per_second_ratio <= 0.8 (communication-bound)"] = _check(
+            d["tokens_per_second_ratio"], 0.8, "max"
+        )
+    if s:
+        out["streaming_4bit tokens_per_second_ratio >= 0.95"] = _check(
+            s["tokens_per_second_ratio"], 0.95, "min"
+        )
+    if s and d:
+        out["streaming_4bit bytes_sent_per_peer_per_round <= 1/7 of diloco_fp32"] = _check(
+            s["bytes_sent_per_peer_per_round"] / d["bytes_sent_per_peer_per_round"], 1 / 7, "max"
+        )
+        out[f"streaming_4bit peak_bytes_per_sync <= 1/(7*{fragments}) of diloco_fp32"] = _check(
+            s["peak_bytes_per_sync"] / d["peak_bytes_per_sync"], 1 / (7 * fragments), "max"
+        )
+        out["streaming_4bit eval_loss <= 1.01 x diloco_fp32"] = _check(
+            s["eval_loss"] / d["eval_loss"], 1.01, "max"
+        )
+    return out
+
+
+def _check(value: float, bound: float, kind: str) -> dict:
+    met = value <= bound if kind == "max" else value >= bound
+    return dict(value=value, bound=bound, met=bool(met))
+
+
+def write_markdown(path: Path, report: dict) -> str:
+    runs = report["runs"]
+    lines = [
+        f"{report['peers']} peers, egress cap {report['cap_mbit']:g} Mbit/s each, loss {report['loss']:g}, "
+        f"{report['steps']} steps, H = {report['H']}, streaming P = {report['fragments']}, "
+        f"τ = {report['overlap_steps']}, α = {report['mixing_alpha']}, codec {report['codec']}; "
+        f"compute quota {report['compute_cores']:g} core per peer; model "
+        f"{report['model_parameters'] / 1e6:.2f}M parameters "
+        f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
+        "",
+        "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak bytes / sync "
+        "| wire burst peak | eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in runs.items():
+        peak = f"{r['peak_bytes_per_sync'] / 1e3:,.0f} kB" + ("" if r["peak_is_payload"] else " (wire)")
+        lines.append(
+            f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
+            f"| {r['bytes_sent_per_peer_per_round'] / 1e3:,.0f} kB | {peak} "
+            f"| {r['peak_wire_burst_bytes'] / 1e3:,.0f} kB | {r['eval_loss']:.4f} |"
+        )
+    for name, error in report.get("failed", {}).items():
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} | | | | | |")
+    lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
+    for name, t in report["targets"].items():
+        lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
+    lines += [
+        "",
+        "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
+        "Peak bytes per sync: payload bytes of the largest sync event from the peers' histories "
+        "(hivemind: the largest burst on its veth). Eval loss: NLL per token on held-out documents of "
+        "peer 0's global copy (no_sync and hivemind: its local model) after the same number of steps.",
+    ]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def write_plot(path: Path, report: dict, outcomes: dict[str, Outcome]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name, o in outcomes.items():
+        t0 = min(h[0]["time"] - h[0]["train_seconds"] for h in o.histories)
+        h = o.histories[0]
+        axes[0].plot([e["time"] - t0 for e in h], [e["loss"] for e in h], marker=".", label=name)
+        series = [(t - t0, c[1][0] / 1e6) for t, c in o.samples]
+        axes[1].plot([t for t, _ in series], [b - series[0][1] for _, b in series], label=name)
+    axes[0].set(xlabel="seconds of training", ylabel="train loss (peer 0, per round)", title="loss vs time")
+    axes[1].set(xlabel="seconds", ylabel="MB sent by peer 0 (veth)", title="bytes on the wire")
+    runs = report["runs"]
+    names = list(runs)
+    metrics = [("tokens_per_second_ratio", "tokens/s ratio"),
+               ("bytes_sent_per_peer_per_round", "bytes/round"),
+               ("peak_bytes_per_sync", "peak bytes/sync"), ("eval_loss", "eval loss")]  # fmt: skip
+    ref = runs.get("diloco_fp32")
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        # log scale: a zero (no_sync sends nothing) is left out rather than drawn
+        values = [runs[name][k] / ref[k] if ref and ref[k] and runs[name][k] > 0 else float("nan")
+                  for k, _ in metrics]  # fmt: skip
+        values = [v if v >= 1e-3 else float("nan") for v in values]  # no_sync's few DHT bytes
+        axes[2].bar([i + j * width for i in range(len(metrics))], values, width, label=name)
+    axes[2].set_xticks(
+        [i + width * (len(names) - 1) / 2 for i in range(len(metrics))], [m for _, m in metrics]
+    )
+    if ref:
+        axes[2].set_yscale("log")
+    axes[2].set(title="relative to diloco_fp32 (log)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
