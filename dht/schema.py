@@ -58,6 +58,17 @@ class ClaimRecord(Record):
     leaving: bool = False
     #: per module: a few random projections of the global copy, to spot holders that drifted apart
     fingerprints: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
+    #: what the peer reports about itself for monitoring (claims, not facts: never used to decide)
+    software_version: str = Field("", max_length=64)
+    #: "direct", "relay", "unreachable" or "unknown" (how other peers can reach this one)
+    reachability: str = Field("unknown", max_length=32)
+    #: mean training loss of the peer's last outer round
+    loss: float | None = Field(None, allow_inf_nan=False)
+    #: module syncs by outcome (averaged, alone, partial, failed) and rejected parts by reason, since start
+    sync_outcomes: dict[str, int] = Field(default_factory=dict, max_length=16)
+    bad_parts: dict[str, int] = Field(default_factory=dict, max_length=16)
+    bytes_sent: int = Field(0, ge=0)
+    bytes_received: int = Field(0, ge=0)
 
     @field_validator("modules")
     @classmethod

@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.schema import ClaimRecord, ManifestRecord, ProbeRecord
 from monitoring.metrics import PeerMetrics
+from peer import __version__
 from peer.config import PeerConfig, RunManifest
 from peer.model.grid import Path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
@@ -53,6 +54,11 @@ class Progress:
     tokens_total: int = 0
     tokens_per_second: float = 0.0
     fingerprints: dict[str, list[float]] = field(default_factory=dict)
+    loss: float | None = None
+    sync_outcomes: dict[str, int] = field(default_factory=dict)
+    bad_parts: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 class Membership:
@@ -77,6 +83,8 @@ class Membership:
         self.path: Path | None = None
         #: false until the peer caught up and can average; holders do not wait for it before
         self.ready = False
+        #: how other peers reach us: "direct", "relay", "unreachable" or "unknown" (not checked yet)
+        self.reachability = "unknown"
         self.claims: dict[str, ClaimRecord] = {}
         self.snapshot = None
         self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
@@ -142,6 +150,13 @@ class Membership:
             fingerprints=p.fingerprints,
             ready=self.ready,
             leaving=leaving,
+            software_version=__version__,
+            reachability=self.reachability,
+            loss=p.loss,
+            sync_outcomes=p.sync_outcomes,
+            bad_parts=p.bad_parts,
+            bytes_sent=p.bytes_sent,
+            bytes_received=p.bytes_received,
         )
 
     def publish_claim(self, leaving: bool = False) -> None:

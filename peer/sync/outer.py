@@ -56,6 +56,23 @@ class FragmentDone:
         return {mid: f"{r.outcome}/{r.group_size}" for mid, r in self.results.items()}
 
 
+@dataclass
+class SyncTotals:
+    """Counts since this peer started: module syncs by outcome, rejected parts by reason, bytes."""
+
+    outcomes: dict[str, int] = field(default_factory=dict)
+    bad_parts: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, r: RoundResult) -> None:
+        self.outcomes[r.outcome] = self.outcomes.get(r.outcome, 0) + 1
+        for reason, count in r.bad_parts.items():
+            self.bad_parts[reason] = self.bad_parts.get(reason, 0) + count
+        self.bytes_sent += r.bytes_sent
+        self.bytes_received += r.bytes_received
+
+
 class StreamingOuter:
     """Starts each fragment's sync at its offset and applies it τ steps later, for every module."""
 
@@ -80,6 +97,7 @@ class StreamingOuter:
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
         self.outer_round_index = 0  # tag for gathered metadata
+        self.totals = SyncTotals()
 
     def reset_tokens(self, tokens_total: int) -> None:
         self._tokens_at_sync = [tokens_total] * self.sync.fragments
@@ -141,6 +159,7 @@ class StreamingOuter:
             if r.repair_from:
                 self._repair(ms, fragment, r.repair_from)
             self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
+            self.totals.add(r)
             for reason, count in r.bad_parts.items():
                 for _ in range(count):
                     self.metrics.bad_part(reason)

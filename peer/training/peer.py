@@ -184,13 +184,20 @@ class Peer:
         self.batches = itertools.chain([next(batches)], batches)
 
     def _progress(self) -> Progress:
-        return Progress(
+        progress = Progress(
             step=self.step,
             outer_round=self.outer_round,
             tokens_total=self.tokens_total,
             tokens_per_second=self.tokens_per_second,
-            fingerprints=self.sync.fingerprints() if self.sync is not None else {},
+            loss=self.history.entries[-1]["loss"] if self.history.entries else None,
         )
+        if self.sync is not None:
+            totals = self.sync.outer.totals
+            progress.fingerprints = self.sync.fingerprints()
+            progress.sync_outcomes = dict(totals.outcomes)
+            progress.bad_parts = dict(totals.bad_parts)
+            progress.bytes_sent, progress.bytes_received = totals.bytes_sent, totals.bytes_received
+        return progress
 
     # --- training -------------------------------------------------------------------------------
 
