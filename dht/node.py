@@ -1,8 +1,8 @@
 """Starting a hivemind DHT node for pathswarm: identity, validators, and clear errors.
 
 One RSA key serves both as the libp2p identity (`--identity_path`, the file format hivemind's p2pd
-reads) and as the key that signs this peer's DHT records, so a restarted peer with the same
-identity still owns its claims.
+reads) and as the key that signs this peer's DHT records (`dht.identity`), so a restarted peer with
+the same identity still owns its claims and nobody else can speak for its peer id.
 """
 
 from __future__ import annotations
@@ -10,16 +10,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import hivemind
-from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
-from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.validators import RecordSchemaValidator
 from peer.errors import SwarmError
@@ -27,27 +24,6 @@ from peer.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
-
-
-def load_identity(identity_path: str | os.PathLike | None) -> RSAPrivateKey:
-    """The peer's RSA key; created (and saved, mode 0400) if the file does not exist yet."""
-    if identity_path is None:
-        return RSAPrivateKey()
-    path = Path(identity_path)
-    if not path.exists():
-        if not path.parent.is_dir():
-            raise SwarmError(f"cannot create identity {path}: folder {path.parent} does not exist")
-        P2P.generate_identity(str(path))
-        logger.info(f"created a new identity in {path}")
-    try:
-        proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
-        if proto.key_type != crypto_pb2.KeyType.RSA:
-            raise ValueError("not an RSA key")
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key._private_key = serialization.load_der_private_key(proto.data, password=None)
-        return key
-    except Exception as e:
-        raise SwarmError(f"cannot read identity file {path}: {e}") from e
 
 
 def check_maddrs(maddrs: Sequence[str], flag: str) -> list[str]:
@@ -74,7 +50,7 @@ def start_dht(
     startup_timeout_seconds: float = 30.0,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given)."""
-    key = load_identity(identity_path)
+    key, identity_file = load_identity(identity_path)
     initial_peers = check_maddrs(initial_peers, "--initial_peers")
     validators: list = [RSASignatureValidator(key)]
     if run_name is not None:
@@ -86,8 +62,7 @@ def start_dht(
         nat_port_map=False,
         startup_timeout=startup_timeout_seconds,
     )
-    if identity_path is not None:
-        kwargs["identity_path"] = str(identity_path)
+    kwargs["identity_path"] = str(identity_file)  # the signing key is the peer id, always
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers or None, start=True, record_validators=validators, **kwargs

@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
+from dht.identity import owner_peer_id
 from dht.node import owner_subkey
 from dht.schema import Record
 
@@ -41,11 +42,15 @@ def read_records(dht: hivemind.DHT, key: str, schema: type[R]) -> list[tuple[R, 
         return []
     now = get_dht_time()
     out = []
-    for item in found.value.values():
+    for subkey, item in found.value.items():
         if item.expiration_time < now:
             continue
         try:
-            out.append((schema.model_validate(item.value), item.expiration_time))
+            record = schema.model_validate(item.value)
         except ValidationError:
             continue
+        claimed = getattr(record, "peer_id", None)
+        if claimed is not None and claimed != owner_peer_id(subkey):
+            continue  # the validators refuse these; a reader checks again (another peer is never trusted)
+        out.append((record, item.expiration_time))
     return out

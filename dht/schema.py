@@ -41,7 +41,10 @@ class ManifestRecord(Record):
 
 
 class ClaimRecord(Record):
-    """A peer's claim on a path, with the progress others use for planning and drift checks."""
+    """A peer's claim on a path, with the progress others use for planning and catching up. The
+    validator ties `peer_id` to the key that signed the record."""
+
+    version: int = Field(2, ge=2)
 
     peer_id: str = Field(min_length=1, max_length=128)
     path: int = Field(ge=0, lt=1 << 20)
@@ -56,8 +59,10 @@ class ClaimRecord(Record):
     ready: bool = True
     #: set in the last record a departing peer publishes, so holders stop waiting for it at once
     leaving: bool = False
-    #: per module: a few random projections of the global copy, to spot holders that drifted apart
-    fingerprints: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
+    #: per module: sha256 of the peer's global copy and outer momentum (equal on holders in step)
+    digests: dict[str, str] = Field(default_factory=dict, max_length=64)
+    #: per module: each fragment's count of applied syncs
+    module_rounds: dict[str, list[int]] = Field(default_factory=dict, max_length=64)
     #: what the peer reports about itself for monitoring (claims, not facts: never used to decide)
     software_version: str = Field("", max_length=64)
     #: "direct", "relay", "unreachable" or "unknown" (how other peers can reach this one)
@@ -76,6 +81,18 @@ class ClaimRecord(Record):
         for m in v:
             if not _MODULE_ID.match(m):
                 raise ValueError(f"bad module id {m!r}")
+        return v
+
+    @field_validator("digests", "module_rounds")
+    @classmethod
+    def _per_module(cls, v: dict) -> dict:
+        for m, x in v.items():
+            if not _MODULE_ID.match(m):
+                raise ValueError(f"bad module id {m!r}")
+            if isinstance(x, str) and not _HEX64.match(x):
+                raise ValueError("a digest is 64 lowercase hex characters")
+            if isinstance(x, list) and (len(x) > 64 or any(r < 0 or r >= 2**40 for r in x)):
+                raise ValueError("bad fragment rounds")
         return v
 
 

@@ -3,7 +3,8 @@
 hivemind's `RSASignatureValidator` makes records under an `[owner:...]` subkey writable only by the
 holder of that key. `RecordSchemaValidator` adds what it does not check: a record under one of
 pathswarm's keys must sit under an owner subkey, parse as its versioned schema, and not claim to
-live longer than `MAX_RECORD_TTL_SECONDS`. Both run inside the DHT process on every store and on
+live longer than `MAX_RECORD_TTL_SECONDS`, and a record that names a peer (`peer_id`) must be
+signed by that peer's own key. Both run inside the DHT process on every store and on
 every record a get returns, so forged or malformed records never reach the peer.
 """
 
@@ -18,6 +19,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic import ValidationError
 
+from dht.identity import owner_peer_id
 from dht.keys import MAX_RECORD_TTL_SECONDS, run_keys
 from dht.schema import SCHEMAS
 
@@ -47,9 +49,13 @@ class RecordSchemaValidator(RecordValidatorBase):
             return False
         try:
             value = MSGPackSerializer.loads(record.value)
-            schema.model_validate(value)
+            parsed = schema.model_validate(value)
         except (ValidationError, ValueError, TypeError) as e:
             logger.debug(f"refused a malformed {schema.__name__}: {e}")
+            return False
+        claimed = getattr(parsed, "peer_id", None)
+        if claimed is not None and claimed != owner_peer_id(record.subkey):
+            logger.debug(f"refused a {schema.__name__} for {claimed} signed by another key")
             return False
         return True
 

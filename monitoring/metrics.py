@@ -19,8 +19,8 @@ import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client import start_http_server as _start_http_server
 
-OUTCOMES = ("averaged", "alone", "partial", "failed", "timeout")
-BAD_PART_REASONS = ("shape", "dtype", "nonfinite", "norm", "weight")
+OUTCOMES = ("averaged", "excluded", "alone", "behind", "failed")
+BAD_PART_REASONS = ("shape", "dtype", "nonfinite", "norm", "weight", "unconfirmed")
 # All-reduce rounds over volunteer links: tens of ms on a LAN up to the two-minute round deadline.
 ALLREDUCE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 # Guard against a bug turning the module label into an unbounded one (grids have at most a few hundred).
@@ -70,8 +70,9 @@ class PeerMetrics:
         )
         self.outer_rounds = Counter(
             "pathswarm_outer_rounds",
-            "Outer rounds by outcome: averaged with a full group, alone (no partners), partial group, "
-            "failed, or timeout.",
+            "Module syncs by outcome: averaged with others, excluded (our outer gradient came too late, "
+            "the group's average was applied), alone (no partners), behind (the others were past the "
+            "round: their state was fetched), or failed.",
             ["outcome"],
             registry=r,
         )

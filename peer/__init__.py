@@ -2,14 +2,16 @@
 layer or the layers before it (`tests/test_layout.py` checks this, and that nothing imports in a
 circle):
 
-1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint`; and the sibling packages `dht`
-   (keys, record schemas, validators, node start-up) and `monitoring` (Prometheus metrics)
+1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint`, `background_loop`; and the
+   sibling packages `dht` (keys, record schemas, validators, identities, node start-up) and
+   `monitoring` (Prometheus metrics)
 2. `model/` — grid shape, transformer, tokenizer, router and routing
 3. `data/` — dataset sources, the built-in corpus, a path's batches
 4. `config` — the typed config tree (run manifest, peer settings)
 5. `run/` — creating a run, its signed manifest record, what a peer rebuilds from it
 6. `scheduler/` — placement and averaging groups from measurements (imports only leaves)
-7. `sync/` — fragments, validated all-reduce, averagers, per-module DiLoCo, the streaming outer loop
+7. `sync/` — fragments, per-module DiLoCo, robust aggregation, the sync protocol (no matchmaking),
+   the streaming outer loop
 8. `swarm/` — manifest in the DHT, claims, probes, planning, a peer's membership
 9. `training/` — the inner step, the round history, the `Peer` (lifecycle and loop)
 10. `offline/` — research tools without a swarm: simulator, experiments, evaluation, export

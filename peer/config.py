@@ -16,13 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dht.keys import check_run_name
+from dht.keys import CLAIM_TTL_SECONDS, check_run_name
 from peer.codecs.specs import CODEC_NAMES, CODEC_SPECS
 from peer.data.sources import DatasetSpec
 from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION = 2
+#: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
+MIN_PIN_HEX = 16
 
 
 class _Frozen(BaseModel):
@@ -58,21 +60,26 @@ class SyncConfig(_Frozen):
     """How holders of a module average their outer gradients (Streaming DiLoCo when fragments > 1)."""
 
     codec: str = "fp32"
-    #: the hivemind compression slot the codec occupies (peer/codecs/specs.py), filled in from the
-    #: codec when the run is created; the sync layer refuses a run whose slot differs from this
-    #: version's (peer/sync/path_sync.py)
-    codec_slot: str = ""
     fragments: int = Field(1, ge=1, le=64, description="P: fragments per module, synced H/P steps apart")
-    overlap_steps: int = Field(0, ge=0, description="τ: inner steps an all-reduce may overlap")
+    overlap_steps: int = Field(0, ge=0, description="τ: inner steps a fragment sync may overlap")
     mixing_alpha: float = Field(0.5, ge=0, le=1, description="α: weight of the local copy when merging")
+    #: how long a round waits for every member's outer gradient before averaging without the missing
     averaging_timeout_seconds: float = Field(60.0, gt=0)
-    #: how long a peer waits for the other holders to join its group before averaging without them
-    matchmaking_time_seconds: float = Field(15.0, gt=0)
-    #: received outer gradients with a larger L2 norm per module are refused (0 = no bound)
+    #: how long a member waits for the others' reports of a round (they are small and sent at once)
+    report_timeout_seconds: float = Field(5.0, gt=0)
+    #: how the group combines its outer gradients (peer/sync/aggregate.py)
+    aggregator: Literal["mean", "clipped_mean", "trimmed_mean", "centered_clip"] = "centered_clip"
+    #: a member's weight counts at most this many times the group's median weight
+    weight_cap: float = Field(2.0, ge=1)
+    #: a member's outer gradient is clipped to this many times the group's median norm
+    norm_cap: float = Field(2.0, ge=1)
+    #: received outer gradients with a larger L2 norm per fragment are refused outright (0 = no bound)
     max_delta_norm: float = Field(1e4, ge=0)
     #: a module with more holders than this averages in rotating subgroups of well-connected peers
     #: (peer/scheduler/groups.py); 0 = one group of all holders
     max_group_size: int = Field(0, ge=0)
+    #: most senders one round accepts (a bound on memory, whatever a flood of claims says)
+    max_round_senders: int = Field(32, ge=2, le=256)
 
     @field_validator("codec")
     @classmethod
@@ -80,14 +87,6 @@ class SyncConfig(_Frozen):
         if v not in CODEC_SPECS:
             raise ValueError(f"unknown codec {v!r}; choose one of {', '.join(CODEC_NAMES)}")
         return v
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_slot(cls, data: Any) -> Any:
-        codec = data.get("codec", "fp32") if isinstance(data, dict) else None
-        if codec in CODEC_SPECS and not data.get("codec_slot"):
-            data = {**data, "codec_slot": CODEC_SPECS[codec].hivemind_slot}
-        return data
 
 
 class SchedulerConfig(_Frozen):
@@ -133,6 +132,12 @@ class RunManifest(_Frozen):
             raise ValueError(
                 f"seq_len + 1 = {self.seq_len + 1} exceeds model.max_seq_len = {self.model.max_seq_len}"
             )
+        h, p, tau = self.inner_steps, self.sync.fragments, self.sync.overlap_steps
+        if p > h:
+            raise ValueError(f"sync.fragments = {p} exceeds inner_steps H = {h}")
+        if tau >= max(1, h // p):
+            # fragment p's sync would still be in flight when fragment p+1's starts
+            raise ValueError(f"sync.overlap_steps τ = {tau} must be below H/P = {h}/{p} = {h // p}")
         return self
 
     def canonical_json(self) -> str:
@@ -161,7 +166,8 @@ class PeerConfig(BaseModel):
     batch_size: int = Field(8, ge=1)
     inner_optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    metrics_host: str = "0.0.0.0"
+    #: loopback by default: a volunteer exposes metrics deliberately (containers pass 0.0.0.0)
+    metrics_host: str = "127.0.0.1"
     checkpoint_dir: Path | None = None
     checkpoint_every_rounds: int = Field(1, ge=1)
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
@@ -183,8 +189,10 @@ class PeerConfig(BaseModel):
     def _run(cls, v: str) -> str:
         name, _, pin = v.partition("@")
         check_run_name(name)
-        if pin and (len(pin) < 8 or any(c not in "0123456789abcdef" for c in pin)):
-            raise ValueError(f"run pin {pin!r} must be at least 8 lowercase hex digits of the manifest hash")
+        if pin and (len(pin) < MIN_PIN_HEX or any(c not in "0123456789abcdef" for c in pin)):
+            raise ValueError(
+                f"run pin {pin!r} must be at least {MIN_PIN_HEX} lowercase hex digits of the manifest hash"
+            )
         return v
 
     @field_validator("device")
@@ -201,6 +209,11 @@ class PeerConfig(BaseModel):
         if self.new_swarm and self.manifest_path is None:
             raise ValueError(
                 "--new_swarm needs --manifest_path: nobody else can give this peer the run manifest"
+            )
+        if self.heartbeat_seconds * 2 >= CLAIM_TTL_SECONDS:
+            # a claim must be renewed well within its TTL, also with clocks up to TTL/2 apart
+            raise ValueError(
+                f"--heartbeat_seconds must be below {CLAIM_TTL_SECONDS / 2:g} (half the claim TTL)"
             )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint_dir")

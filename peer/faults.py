@@ -32,10 +32,11 @@ ENV_VAR = "PATHSWARM_FAULTS"
 KNOWN_POINTS: dict[str, str] = {
     "checkpoint.after_tensors": "checkpoint tensors file written, fsynced and renamed; no manifest yet",
     "checkpoint.before_manifest": "manifest temp file is durable but not yet renamed into place",
-    "outer.before_allreduce": "outer step: pseudo-gradients computed, before joining the all-reduce",
-    "outer.after_allreduce": "outer step: averaged pseudo-gradients received, before the outer optimizer",
+    "outer.before_allreduce": "a fragment sync: outer gradients computed, before its round starts",
+    "outer.after_allreduce": "a fragment sync: the round's results in, before the outer step",
     "train.step": "each inner training step, before the optimizer step",
-    "allreduce.reduce_part": "averager process: a part received from a groupmate, before it is reduced",
+    "sync.receive_delta": "another member's outer gradient: header accepted, payload not yet read",
+    "sync.between_frames": "sending a request: one frame written, the next not yet (dies mid-stream)",
 }
 
 ACTIONS = ("kill", "stall", "raise")

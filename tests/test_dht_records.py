@@ -8,6 +8,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from dht.identity import peer_id_of_key
 from dht.keys import claims_key, manifest_key
 from dht.node import owner_subkey
 from dht.schema import ClaimRecord
@@ -30,27 +31,50 @@ def test_claims_round_trip_and_forgery_refused(dht_factory):
     a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
     b, key_b = dht_factory(run_name=RUN, run_id=RUN_ID)
     reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
-    assert publish_claim(a, key_a, RUN, RUN_ID, claim("A", path=1))
+    id_a, id_b = peer_id_of_key(key_a), peer_id_of_key(key_b)
+    assert id_a == str(a.peer_id)  # the record-signing key is the node's libp2p identity
+    assert publish_claim(a, key_a, RUN, RUN_ID, claim(id_a, path=1))
 
     # B writes under A's owner subkey: its signature cannot verify against A's key.
-    forged = claim("A", path=3).model_dump()
+    forged = claim(id_a, path=3).model_dump()
     ok = b.store(
         claims_key(RUN, RUN_ID), subkey=owner_subkey(key_a), value=forged, expiration_time=get_dht_time() + 20
     )
     assert not ok
     claims = live_claims(reader, RUN, RUN_ID)
-    assert set(claims) == {"A"} and claims["A"].path == 1
+    assert set(claims) == {id_a} and claims[id_a].path == 1
+
+
+def test_a_claim_that_speaks_for_another_peer_is_refused(dht_factory):
+    """B signs, under its own key, a claim naming A as leaving: it must not make A vanish."""
+    a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
+    b, key_b = dht_factory(run_name=RUN, run_id=RUN_ID)
+    reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
+    id_a = peer_id_of_key(key_a)
+    assert publish_claim(a, key_a, RUN, RUN_ID, claim(id_a, path=1))
+    assert not publish_claim(b, key_b, RUN, RUN_ID, claim(id_a, path=2, leaving=True))
+    # even a node without our validators that stored it anyway would not fool a reader
+    rogue = b.store(
+        claims_key(RUN, RUN_ID),
+        subkey=owner_subkey(key_b),
+        value=claim(id_a, leaving=True).model_dump(),
+        expiration_time=get_dht_time() + 20,
+    )
+    assert not rogue
+    claims = live_claims(reader, RUN, RUN_ID)
+    assert set(claims) == {id_a} and not claims[id_a].leaving
 
 
 def test_malformed_and_far_future_records_refused(dht_factory):
     a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
     reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
     key = claims_key(RUN, RUN_ID)
-    bad = dict(version=1, peer_id="A", path=-5, modules=["trunk"])
+    id_a = peer_id_of_key(key_a)
+    bad = dict(version=2, peer_id=id_a, path=-5, modules=["trunk"])
     assert not a.store(key, subkey=owner_subkey(key_a), value=bad, expiration_time=get_dht_time() + 20)
-    not_owned = claim("A").model_dump()
+    not_owned = claim(id_a).model_dump()
     assert not a.store(key, subkey=b"plain-subkey", value=not_owned, expiration_time=get_dht_time() + 20)
-    far = claim("A").model_dump()
+    far = claim(id_a).model_dump()
     assert not a.store(key, subkey=owner_subkey(key_a), value=far, expiration_time=get_dht_time() + 10_000)
     assert live_claims(reader, RUN, RUN_ID) == {}
 
@@ -58,8 +82,9 @@ def test_malformed_and_far_future_records_refused(dht_factory):
 def test_expired_claims_disappear(dht_factory):
     a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
     reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
-    assert publish_claim(a, key_a, RUN, RUN_ID, claim("A"), ttl=2.0)
-    assert "A" in live_claims(reader, RUN, RUN_ID)
+    id_a = peer_id_of_key(key_a)
+    assert publish_claim(a, key_a, RUN, RUN_ID, claim(id_a), ttl=2.0)
+    assert id_a in live_claims(reader, RUN, RUN_ID)
     time.sleep(2.5)
     assert live_claims(reader, RUN, RUN_ID) == {}
 

@@ -18,6 +18,7 @@ LAYERS = {
     "peer.faults": 1,
     "peer.codecs": 1,
     "peer.checkpoint": 1,
+    "peer.background_loop": 1,
     "dht": 1,
     "monitoring": 1,
     "peer.model": 2,

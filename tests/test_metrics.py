@@ -47,7 +47,7 @@ def test_serve_and_scrape(metrics):
     assert s[("pathswarm_tokens_per_second", ())] == 1100.0
     assert s[("pathswarm_outer_rounds_total", (("outcome", "averaged"),))] == 1
     assert s[("pathswarm_outer_rounds_total", (("outcome", "alone"),))] == 1
-    for outcome in ("partial", "failed", "timeout"):  # exported as zero from the start
+    for outcome in ("excluded", "behind", "failed"):  # exported as zero from the start
         assert s[("pathswarm_outer_rounds_total", (("outcome", outcome),))] == 0
     assert s[("pathswarm_outer_round", ())] == 7
     assert s[("pathswarm_group_size", ())] == 1

@@ -29,7 +29,7 @@ def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
         seq_len=32,
         inner_steps=8,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=100),
-        sync=SyncConfig(matchmaking_time_seconds=4.0, averaging_timeout_seconds=20.0, max_group_size=2),
+        sync=SyncConfig(averaging_timeout_seconds=20.0, max_group_size=2),
         router_docs=150,
     )
     record = sign_manifest(manifest, RSAPrivateKey())

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
@@ -14,10 +13,10 @@ from peer.codecs.specs import CODEC_SPECS
 from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
 from peer.model.grid import ModelConfig, path_module_ids
 from peer.model.transformer import PathModel
-from peer.sync.averager import ModuleAverager
 from peer.sync.fragments import FragmentPlan, fragments_due, sync_offsets
 from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import StreamingOuter
+from tests.sync_members import run_round, sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 
@@ -142,44 +141,38 @@ def test_p1_tau0_reproduces_per_module_diloco():
 
 @pytest.mark.parametrize("name", sorted(CODEC_SPECS))
 def test_codecs_round_trip_within_their_error_and_refuse_bad_buffers(name):
-    codec, error = make_codec(name)
+    codec, spec = make_codec(name), CODEC_SPECS[name]
     x = torch.randn(10_001) * 0.01
-    serialized = codec.compress(x, CompressionInfo.from_tensor(x))
-    y = deserialize_torch_tensor(serialized)
+    data = codec.encode(x)
+    y = codec.decode(data, x.numel())
     assert y.shape == x.shape and y.dtype == torch.float32
-    assert float((x - y).norm() / x.norm()) <= error * 1.2 + 1e-7
-    # the table's wire size (what planning and the benchmarks read) is what the codec really sends
-    wire = CODEC_SPECS[name].wire_bytes_per_value
-    assert len(serialized.buffer) / x.numel() == pytest.approx(wire, rel=1e-3)
-    if name in ("nf4", "e3m0"):
-        serialized.buffer = serialized.buffer[:-1]
-        with pytest.raises(ValueError):
-            deserialize_torch_tensor(serialized)
+    assert float((x - y).norm() / x.norm()) <= spec.error_bound
+    # the table's size (what the receiver checks before reading, and planning counts) is exact
+    assert len(data) == spec.wire_bytes(x.numel())
+    with pytest.raises(ValueError):
+        codec.decode(data[:-1], x.numel())
+    with pytest.raises(ValueError):
+        codec.decode(data, 2 * x.numel())
 
 
 def test_bytes_per_fragment_sync_are_one_pth_of_a_full_sync(dht_factory):
-    numel, p = 40_000, 4
-    dhts = [dht_factory()[0] for _ in range(2)]
-    sent = {}
-    for label, size in (("full", numel), ("fragment", numel // p)):
-        avs = [
-            ModuleAverager(
-                size,
-                d,
-                prefix=f"bytes_{label}",
-                start=True,
-                target_group_size=2,
-                min_matchmaking_time=3.0,
-                request_timeout=1.0,
-            )
-            for d in dhts
+    """Two holders of a real module sync it whole (P = 1) and by fragments of the plan (P = 4)."""
+    p = 4
+    cfg = ModelConfig(d_model=96, n_heads=4, d_ff=384, max_seq_len=33, blocks_per_module=4)
+    model = PathModel(cfg, (0, 0), seed=5)
+    sizes = {
+        n: [
+            ModuleSync(cfg, "l0m0", model.parts["l0m0"], OuterOptimizerConfig(), n).fragment_size(f)
+            for f in range(n)
         ]
-        try:
-            controls = [a.start_round(torch.randn(size), 1.0, 0, timeout=30) for a in avs]
-            results = [a.finish_round(c, timeout=40) for a, c in zip(avs, controls, strict=True)]
-            assert [r.outcome for r in results] == ["averaged", "averaged"]
-            sent[label] = sum(r.bytes_sent for r in results)
-        finally:
-            for a in avs:
-                a.shutdown()
-    assert sent["fragment"] / sent["full"] == pytest.approx(1 / p, rel=0.05)
+        for n in (1, p)
+    }
+    assert sum(sizes[p]) == sizes[1][0] and max(sizes[p]) - min(sizes[p]) < p
+    sent = {}
+    for n in (1, p):
+        numel = sizes[n][0]
+        with sync_group(dht_factory, 2, numel, codec="nf4") as members:
+            results = run_round(members, [torch.randn(numel) * 0.01 for _ in members], [1.0, 1.0])
+        assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
+        sent[n] = sum(r.bytes_sent for r in results)
+    assert sent[p] / sent[1] == pytest.approx(1 / p, rel=0.05)

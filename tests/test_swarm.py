@@ -34,7 +34,7 @@ def write_manifest(folder: Path, inner_steps: int = 10, fragments: int = 1) -> t
         seq_len=32,
         inner_steps=inner_steps,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
-        sync=SyncConfig(fragments=fragments, matchmaking_time_seconds=3.0, averaging_timeout_seconds=10.0),
+        sync=SyncConfig(fragments=fragments, averaging_timeout_seconds=10.0),
         router_docs=200,
     )
     record = sign_manifest(manifest, RSAPrivateKey())
@@ -116,7 +116,7 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
             watcher.shutdown()
         log_b = swarm.log_path("b").read_text()
 
-    downloaded = re.findall(r"(\w+): downloaded the global copy", log_b)
+    downloaded = re.findall(r"(\w+): caught up to module round", log_b)
     assert sorted(downloaded) == ["l0m0", "l1m0", "trunk"], log_b[-3000:]
     rounds = rounds_in_log(log_b)
     assert rounds and "averaged/2" in rounds[-1], rounds
@@ -131,8 +131,9 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
             )  # the one right after the sync
     assert meta_b["outer_round"] in by_round, (meta_b["outer_round"], sorted(by_round))
     tensors_a = load_file(str(by_round[meta_b["outer_round"]] / "tensors.safetensors"))
-    diffs = [float((tensors_a[k] - tensors_b[k]).abs().max()) for k in tensors_b if "/global/" in k]
-    assert diffs and max(diffs) < 1e-5
+    # the same bits: every holder applies the identical aggregate with a deterministic outer step
+    shared = [k for k in tensors_b if "/global/" in k or "/momentum/" in k]
+    assert shared and all(torch.equal(tensors_a[k], tensors_b[k]) for k in shared)
 
 
 def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):

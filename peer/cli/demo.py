@@ -62,7 +62,7 @@ def demo_manifest(rounds: int, inner_steps: int, seed: int = 0) -> RunManifest:
         seq_len=64,
         inner_steps=inner_steps,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=20, total_steps=rounds * inner_steps),
-        sync=SyncConfig(codec="fp32", matchmaking_time_seconds=10.0, averaging_timeout_seconds=45.0),
+        sync=SyncConfig(codec="fp32", averaging_timeout_seconds=45.0),
         router_docs=600,
     )
 

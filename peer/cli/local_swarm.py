@@ -1,7 +1,7 @@
 """A swarm of real pathswarm processes on this machine: a bootstrap node and peers on loopback.
 
 Used by `pathswarm demo` and by the tests. Every process runs in its own process group so that
-`stop()` also reaps its DHT/averager children and p2p daemons; `stop()` runs on exit from the
+`stop()` also reaps its DHT child and p2p daemon; `stop()` runs on exit from the
 context manager whatever happened.
 """
 

@@ -49,7 +49,8 @@ def register(subparsers) -> dict[str, Handler]:
 def cmd_run_create(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from dht.node import load_identity, start_dht
+    from dht.identity import load_identity
+    from dht.node import start_dht
     from peer.config import one_line
     from peer.errors import ConfigError
     from peer.run.create import RunOptions, manifest_from_options
@@ -64,7 +65,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         raise ConfigError(one_line(e)) from None
     manifest = manifest_from_options(options)
     identity = getattr(args, "identity_path", None)
-    key = load_identity(identity)
+    key, _ = load_identity(identity)
     record = sign_manifest(manifest, key)
     save_record(record, args.out)
     print(f"run {manifest.name} id {record.run_id}")

@@ -1,12 +1,14 @@
-"""The one table of codecs: name, hivemind slot, bytes per number on the wire, expected error.
+"""The one table of codecs: name, bits per number, block size, scale bytes, expected error.
 
-The CLI's choices, the config validator, planning (bytes of a fragment sync) and the benchmarks all
-read this table; `peer.codecs.formats` implements each entry. Pure data, so reading it loads neither
-hivemind nor bitsandbytes.
+The CLI's choices, the config validator, the sync layer (the exact size of a payload, checked before
+it is read), planning (bytes of a fragment sync) and the benchmarks all read this table;
+`peer.codecs.formats` implements each entry. Pure data: reading it loads neither torch nor
+bitsandbytes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from peer.errors import ConfigError
@@ -18,27 +20,32 @@ class CodecSpec:
 
     name: str
     bits: int
-    #: the `runtime_pb2.CompressionType` slot the codec occupies in every peer's hivemind registry
-    hivemind_slot: str
-    #: numbers per block that share one fp32 scale (0: no blocks)
+    #: numbers per block that share one scale (0: no blocks)
     block: int
-    #: relative L2 error bound on Gaussian data; the end-to-end checksum's tolerance is built on it
+    #: bytes of each block's scale (bf16 scales: 2)
+    scale_bytes: int
+    #: relative L2 error bound on Gaussian data (tests check it; `benchmarks.codecs` measures it)
     error_bound: float
+
+    def wire_bytes(self, numel: int) -> int:
+        """Exact bytes of `numel` encoded numbers, block scales included."""
+        blocks = math.ceil(numel / self.block) if self.block else 0
+        return math.ceil(numel * self.bits / 8) + blocks * self.scale_bytes
 
     @property
     def wire_bytes_per_value(self) -> float:
         """Bytes one number takes on the wire, block scales included."""
-        return self.bits / 8 + (4 / self.block if self.block else 0.0)
+        return self.bits / 8 + (self.scale_bytes / self.block if self.block else 0.0)
 
 
 CODEC_SPECS: dict[str, CodecSpec] = {
     spec.name: spec
     for spec in (
-        CodecSpec("fp32", 32, "NONE", 0, 1e-6),
-        CodecSpec("fp16", 16, "FLOAT16", 0, 1e-3),
-        CodecSpec("int8", 8, "BLOCKWISE_8BIT", 256, 2e-2),
-        CodecSpec("nf4", 4, "QUANTILE_8BIT", 64, 0.1),
-        CodecSpec("e3m0", 4, "UNIFORM_8BIT", 64, 0.2),
+        CodecSpec("fp32", 32, 0, 0, 1e-7),
+        CodecSpec("fp16", 16, 0, 0, 5e-4),
+        CodecSpec("int8", 8, 256, 4, 1.5e-2),
+        CodecSpec("nf4", 4, 64, 2, 0.1),
+        CodecSpec("e3m0", 4, 64, 2, 0.2),
     )
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_SPECS)

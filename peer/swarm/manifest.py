@@ -55,7 +55,7 @@ def fetch_manifest(
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         if len(candidates) > 1:
-            ids = ", ".join(f"{run_name}@{rid[:12]}" for rid in sorted(candidates))
+            ids = ", ".join(f"{run_name}@{rid[:16]}" for rid in sorted(candidates))
             raise SwarmError(f"several runs are named {run_name!r}; pin one with --run: {ids}")
         if time.monotonic() > deadline:
             why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""

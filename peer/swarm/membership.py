@@ -53,7 +53,8 @@ class Progress:
     outer_round: int = 0
     tokens_total: int = 0
     tokens_per_second: float = 0.0
-    fingerprints: dict[str, list[float]] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    module_rounds: dict[str, list[int]] = field(default_factory=dict)
     loss: float | None = None
     sync_outcomes: dict[str, int] = field(default_factory=dict)
     bad_parts: dict[str, int] = field(default_factory=dict)
@@ -103,6 +104,11 @@ class Membership:
             self.claims = self._claim_view.update(self.dht)
         return self.claims
 
+    def is_holder(self, peer_id: str, module: str) -> bool:
+        """Whether the claim view has `peer_id` claiming a path through `module` (any thread)."""
+        claim = self.claims.get(peer_id)
+        return claim is not None and module in claim.modules
+
     def holders(self) -> dict[str, list[str]]:
         """Ready holders of each module, from the current claim view."""
         return holders_by_module(self.claims)
@@ -147,7 +153,8 @@ class Membership:
             tokens_total=p.tokens_total,
             tokens_per_second=p.tokens_per_second,
             client_mode=self.config.client_mode,
-            fingerprints=p.fingerprints,
+            digests=p.digests,
+            module_rounds=p.module_rounds,
             ready=self.ready,
             leaving=leaving,
             software_version=__version__,

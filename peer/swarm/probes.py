@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from pydantic import ValidationError
 from dht.keys import PROBE_TTL_SECONDS, probes_key
 from dht.records import read_records, store_record
 from dht.schema import ProbeRecord
+from peer.background_loop import BackgroundLoop
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
@@ -67,13 +67,11 @@ class ProbeService:
     """Serves and runs link probes over a P2P replica, on an event loop in a background thread."""
 
     def __init__(self, dht: hivemind.DHT):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="probes", daemon=True)
-        self._thread.start()
+        self._background = BackgroundLoop("probes")
         self._p2p = self._call(self._start(dht), timeout=30)
 
     def _call(self, coro, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._background.call(coro, timeout)
 
     async def _start(self, dht: hivemind.DHT):
         p2p = await dht.replicate_p2p()
@@ -120,12 +118,11 @@ class ProbeService:
         return links
 
     def shutdown(self) -> None:
-        try:
-            self._call(self._p2p.remove_protobuf_handler(HANDLER), timeout=5)
-        except Exception as e:
-            logger.debug(f"probe handler removal: {e}")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        async def cleanup():
+            await self._p2p.remove_protobuf_handler(HANDLER)
+            await self._p2p.shutdown()
+
+        self._background.stop(cleanup)
 
 
 def sample_peers(candidates: list[str], me: str, cycle: int, max_links: int) -> list[str]:

@@ -1,7 +1,8 @@
-"""Keeping a module's holders in sync: fragments (`fragments`), hivemind's all-reduce with validated
-parts and one identical average (`allreduce`), one averager per module (`averager`), DiLoCo state
-per module (`module_sync`), the Streaming DiLoCo outer loop (`outer`), and the sync layer of one
-peer (`path_sync`).
+"""Keeping a module's holders in sync: fragments (`fragments`), DiLoCo state per module with a
+deterministic outer step (`module_sync`), robust deterministic aggregation (`aggregate`), the sync
+protocol on hivemind's P2P streams — framing with caps (`wire`), the bounded inbox (`inbox`), the
+service (`service`), one round without matchmaking (`rounds`), state download with confirmation
+(`state_transfer`) — the Streaming DiLoCo outer loop (`outer`), and a peer's sync layer (`path_sync`).
 
 May import: the leaves, `dht`, `monitoring`, `peer.model`, `peer.config`. Not `peer.swarm`: what the
 sync layer needs from the swarm's view (holders, donors, planned groups) is handed in.

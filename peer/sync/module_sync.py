@@ -1,16 +1,21 @@
-"""DiLoCo state of one module on one peer: global copy, outer optimizers, averager, per fragment.
+"""DiLoCo state of one module on one peer: the global copy and outer momentum per fragment.
 
-The global copy θ̄ lives on the CPU in fp32, as one flat vector per fragment (peer/sync/fragments.py) with
-its own SGD-Nesterov outer optimizer. A fragment's outer gradient is Δ = θ̄ − θ_local. After the
-holders averaged their Δ, the outer step gives θ̃ and the local fragment is merged:
-θ_local ← α·θ_local + (1−α)·θ̃ when the sync overlapped τ > 0 inner steps (Streaming DiLoCo), or
-replaced by θ̃ when τ = 0 (DiLoCo: no local steps happened meanwhile). Every holder applies the same
-averaged Δ to the same θ̄ with the same momentum, so the copies stay equal; a late joiner therefore
-downloads θ̄ *and* the momentum.
+The global copy θ̄ lives on the CPU in fp32, as one flat vector per fragment (peer/sync/fragments.py)
+with its own outer momentum. A fragment's outer gradient is Δ = θ̄ − θ_local. After the holders
+agreed on the group's Δ̄, the outer step (SGD with Nesterov momentum, as DiLoCo) gives θ̃, merged into
+the local fragment with the Streaming DiLoCo rule θ_local ← α·θ_local + (1−α)·θ̃ (α = 0 replaces it:
+plain DiLoCo).
+
+Every holder must end a round with the *same bits* in θ̄ and in its momentum, so the outer step is
+written here with separate element-wise operations, each rounded once, rather than with
+`torch.optim.SGD`, whose fused multiply-adds round differently on different CPUs and vector widths.
+`digest(f)` is a sha256 of a fragment's θ̄ and momentum: equal digests mean equal states, which is how
+holders, joiners and repairs recognise the group's copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 
@@ -19,7 +24,6 @@ from torch import nn
 
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
-from peer.sync.averager import ModuleAverager
 from peer.sync.fragments import FragmentPlan
 
 logger = logging.getLogger(__name__)
@@ -29,8 +33,16 @@ class StateRejected(ValueError):
     """A module state received from another peer failed validation; nothing was loaded."""
 
 
+def state_digest(global_flat: torch.Tensor, momentum: torch.Tensor) -> str:
+    """sha256 of a fragment's global copy and momentum, as little-endian float32 bytes."""
+    h = hashlib.sha256()
+    for t in (global_flat, momentum):
+        h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 class ModuleSync:
-    """θ̄ of one module per fragment, its outer optimizers, its fragment rounds and its averager."""
+    """θ̄ of one module per fragment, its outer momentum and its fragment rounds."""
 
     def __init__(
         self,
@@ -48,18 +60,14 @@ class ModuleSync:
         self.plan = FragmentPlan(
             cfg, module_id, self.names, [p.shape for p in self.local_params], n_fragments
         )
-        self.global_flats = [
-            nn.Parameter(self.plan.gather(self.local_params, f), requires_grad=False)
-            for f in range(n_fragments)
-        ]
-        nesterov = outer.nesterov and outer.momentum > 0
-        self.outers = [
-            torch.optim.SGD([g], lr=outer.lr, momentum=outer.momentum, nesterov=nesterov)
-            for g in self.global_flats
-        ]
+        self.global_flats = [self.plan.gather(self.local_params, f) for f in range(n_fragments)]
+        self.momenta = [torch.zeros_like(g) for g in self.global_flats]
+        self.outer = outer
         self.delta_scale = math.sqrt(paths_through) if outer.sqrt_paths_scaling else 1.0
         self.fragment_rounds = [0] * n_fragments
-        self.averager: ModuleAverager | None = None
+        #: bumped whenever the state is replaced (a download): rounds started before no longer apply
+        self.epoch = 0
+        self._digests: list[str | None] = [None] * n_fragments
 
     @property
     def n_fragments(self) -> int:
@@ -75,36 +83,53 @@ class ModuleSync:
 
     @torch.no_grad()
     def outer_gradient(self, fragment: int) -> torch.Tensor:
-        return self.global_flats[fragment].detach() - self.plan.gather(self.local_params, fragment)
+        return self.global_flats[fragment] - self.plan.gather(self.local_params, fragment)
+
+    def digest(self, fragment: int) -> str:
+        if self._digests[fragment] is None:
+            self._digests[fragment] = state_digest(self.global_flats[fragment], self.momenta[fragment])
+        return self._digests[fragment]
+
+    def module_digest(self) -> str:
+        """One digest of the whole module's state (every fragment's digest, in order)."""
+        return hashlib.sha256("".join(self.digest(f) for f in range(self.n_fragments)).encode()).hexdigest()
 
     @torch.no_grad()
-    def apply(self, fragment: int, delta: torch.Tensor, alpha: float | None = None) -> None:
-        """Outer step on θ̄ of the fragment with the (averaged) Δ, then merge into the local model:
-        replace when `alpha` is None, else θ_local ← α·θ_local + (1−α)·θ̃."""
+    def _outer_step(self, fragment: int, delta: torch.Tensor) -> None:
+        """SGD with (Nesterov) momentum on θ̄, one rounding per element-wise operation."""
+        o = self.outer
+        g = delta.to(torch.float32).reshape(self.global_flats[fragment].shape)
+        if self.delta_scale != 1.0:
+            g = torch.mul(g, self.delta_scale)
+        if o.momentum > 0:
+            buf = torch.add(torch.mul(self.momenta[fragment], o.momentum), g)
+            self.momenta[fragment] = buf
+            update = torch.add(g, torch.mul(buf, o.momentum)) if o.nesterov else buf
+        else:
+            update = g
+        self.global_flats[fragment] = torch.sub(self.global_flats[fragment], torch.mul(update, o.lr))
+
+    @torch.no_grad()
+    def apply(self, fragment: int, delta: torch.Tensor, alpha: float = 0.0) -> None:
+        """Outer step on θ̄ of the fragment with the group's Δ̄, then θ_local ← α·θ_local + (1−α)·θ̃."""
+        self._outer_step(fragment, delta)
         g = self.global_flats[fragment]
-        g.grad = delta.to(g.dtype).reshape(g.shape) * self.delta_scale
-        self.outers[fragment].step()
-        self.outers[fragment].zero_grad(set_to_none=True)
-        if alpha is None:
+        if alpha == 0.0:
             self.plan.scatter(g, self.local_params, fragment)
         else:
             local = self.plan.gather(self.local_params, fragment)
             self.plan.scatter(alpha * local + (1 - alpha) * g, self.local_params, fragment)
         self.fragment_rounds[fragment] += 1
+        self._digests[fragment] = None
 
     @torch.no_grad()
     def load_local_from_global(self) -> None:
         for f, g in enumerate(self.global_flats):
             self.plan.scatter(g, self.local_params, f)
 
-    def momentum(self, fragment: int) -> torch.Tensor:
-        g = self.global_flats[fragment]
-        buf = self.outers[fragment].state.get(g, {}).get("momentum_buffer")
-        return buf if buf is not None else torch.zeros_like(g)
-
     def state_tensors(self) -> list[torch.Tensor]:
         """What a joiner downloads: θ̄ of every fragment, then their momentum buffers."""
-        return [g.detach() for g in self.global_flats] + [self.momentum(f) for f in range(self.n_fragments)]
+        return [g.detach() for g in self.global_flats] + [m.detach() for m in self.momenta]
 
     def state_metadata(self) -> dict:
         return dict(
@@ -113,6 +138,9 @@ class ModuleSync:
             fragment_rounds=list(self.fragment_rounds),
             n_fragments=self.n_fragments,
         )
+
+    def expected_shapes(self) -> list[torch.Size]:
+        return [g.shape for g in self.global_flats] * 2
 
     @torch.no_grad()
     def load_state(self, metadata: object, tensors: list[torch.Tensor], max_abs: float = 1e6) -> None:
@@ -126,26 +154,26 @@ class ModuleSync:
         if (
             not isinstance(rounds, list)
             or len(rounds) != n
-            or not all(isinstance(r, int) and r >= 0 for r in rounds)
+            or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2**40 for r in rounds)
         ):
             raise StateRejected(f"state for {self.module_id}: malformed fragment rounds {rounds!r:.80}")
         if len(tensors) != 2 * n:
             raise StateRejected(f"state for {self.module_id}: {len(tensors)} tensors, expected {2 * n}")
-        for i, t in enumerate(tensors):
-            expected = self.global_flats[i % n]
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != expected.shape:
+        for i, (t, shape) in enumerate(zip(tensors, self.expected_shapes(), strict=True)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shape:
                 raise StateRejected(
                     f"state for {self.module_id}: tensor {i} is {getattr(t, 'dtype', type(t))} "
-                    f"{tuple(getattr(t, 'shape', ()))}, expected float32 {tuple(expected.shape)}"
+                    f"{tuple(getattr(t, 'shape', ()))}, expected float32 {tuple(shape)}"
                 )
             if not torch.isfinite(t).all():
                 raise StateRejected(f"state for {self.module_id}: tensor {i} has NaN or inf")
             if t.numel() and t.abs().max() > max_abs:
                 raise StateRejected(f"state for {self.module_id}: tensor {i} has values beyond {max_abs:g}")
-        for f in range(n):
-            self.global_flats[f].copy_(tensors[f])
-            self.outers[f].state[self.global_flats[f]]["momentum_buffer"] = tensors[n + f].clone()
+        self.global_flats = [tensors[f].detach().clone() for f in range(n)]
+        self.momenta = [tensors[n + f].detach().clone() for f in range(n)]
         self.fragment_rounds = list(rounds)
+        self._digests = [None] * n
+        self.epoch += 1
         self.load_local_from_global()
 
     def named_state(self) -> dict[str, torch.Tensor]:
@@ -156,7 +184,7 @@ class ModuleSync:
             for name, t in zip(self.names, self.plan.join(self.global_flats), strict=True)
         }
         for f in range(self.n_fragments):
-            out[f"{self.module_id}/momentum/f{f}"] = self.momentum(f).detach()
+            out[f"{self.module_id}/momentum/f{f}"] = self.momenta[f].detach()
         return out
 
     def load_named_state(self, tensors: dict[str, torch.Tensor], fragment_rounds: list[int]) -> None:

@@ -1,32 +1,46 @@
 """The outer loop of one peer: Streaming DiLoCo over every module on its path.
 
 Each module is cut into P fragments; fragment p of every module starts syncing after inner steps
-t ≡ p·H/P (mod H) (arXiv 2501.18512), so about 1/P of the parameters is on the wire at once. The
-all-reduce runs in the background (hivemind's averager process) while inner steps go on; τ steps
-later the outer step is applied to the fragment's global copy and merged into the local model with
-α. τ = 0 blocks until the average is in (P = 1, τ = 0 is plain per-module DiLoCo). A module held by
-nobody else, or a group that does not form in time, still gets its outer step, from this peer's
-own Δ, and the miss is logged and counted.
+t ≡ p·H/P (mod H) (arXiv 2501.18512), so about 1/P of the parameters is on the wire at once. A
+fragment's round (`peer.sync.rounds`) runs in the background while inner steps go on; τ steps later
+the outer step is applied to the fragment's global copy and merged into the local model with α
+(τ = 0 waits for the round at once; P = 1, τ = 0, α = 0 is plain per-module DiLoCo). A module held by
+nobody else still gets its outer step, from this peer's own Δ.
+
+The round's members are the module's ready holders in the claim view (or this peer's planned
+subgroup of them), and its key is the fragment's count of applied syncs, which every holder whose
+copy is in step shares: no matchmaking.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from monitoring.metrics import PeerMetrics
 from peer.config import RunManifest
-from peer.sync.averager import RoundResult
-from peer.sync.fragments import fragments_due
-from peer.sync.module_sync import ModuleSync, StateRejected
+from peer.faults import fault_point
+from peer.sync.fragments import fragments_due, sync_offsets
+from peer.sync.module_sync import ModuleSync
+from peer.sync.rounds import RoundResult, RoundRunner
 
 logger = logging.getLogger(__name__)
 
 #: (module, round) -> (subgroup index, members) of this peer's planned averaging subgroup, or None
 #: when every holder averages together
 GroupOf = Callable[[str, int], tuple[int, list[str]] | None]
+#: called after a module fragment's round was applied (history, inbox window, repairs)
+Applied = Callable[[ModuleSync, int, RoundResult], None]
+#: called when other holders are past a round of ours: fetch their state; True if it was loaded
+Behind = Callable[[ModuleSync, list[str]], bool]
+
+
+def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
+    """The schedule's position (in inner steps) right after its `n_syncs`-th fragment sync: syncs
+    happen in the order of their offsets, fragment p at t_p, t_p + H, ... (fragment 0 at H, 2H, ...)."""
+    cycle, p = divmod(n_syncs, n_fragments)
+    return cycle * inner_steps + sync_offsets(inner_steps, n_fragments)[p]
 
 
 @dataclass
@@ -36,7 +50,11 @@ class PendingSync:
     fragment: int
     due_step: int
     weight: float
-    controls: dict[str, object] = field(default_factory=dict)
+    futures: dict[str, object] = field(default_factory=dict)
+    #: each module's own Δ at the start, which it applies if its round failed
+    deltas: dict[str, object] = field(default_factory=dict)
+    #: each module's state epoch at the start: a round started before a download does not apply
+    epochs: dict[str, int] = field(default_factory=dict)
     results: dict[str, RoundResult] = field(default_factory=dict)
 
 
@@ -74,7 +92,7 @@ class SyncTotals:
 
 
 class StreamingOuter:
-    """Starts each fragment's sync at its offset and applies it τ steps later, for every module."""
+    """Starts each fragment's round at its offset and applies it τ steps later, for every module."""
 
     def __init__(
         self,
@@ -94,104 +112,97 @@ class StreamingOuter:
         self.inner_steps = manifest.inner_steps
         self.peer_id = peer_id
         self.metrics = metrics
+        self.runner: RoundRunner | None = None
+        self.on_applied: Applied | None = None
+        self.on_behind: Behind | None = None
+        #: position in the sync schedule, in inner steps; equal on holders in step (not the step count)
+        self.clock = 0
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
-        self.outer_round_index = 0  # tag for gathered metadata
         self.totals = SyncTotals()
 
     def reset_tokens(self, tokens_total: int) -> None:
         self._tokens_at_sync = [tokens_total] * self.sync.fragments
 
+    def align(self, rounds: list[int]) -> None:
+        """Puts the schedule where a module with these fragment rounds is in it (after a restore or
+        a download), so this peer syncs each fragment when its other holders do."""
+        self.clock = sync_clock(sum(rounds), self.inner_steps, self.sync.fragments)
+
     def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
-        """Starts the syncs due after inner step `step` and finishes those whose τ ran out."""
-        for fragment in fragments_due(step, self.inner_steps, self.sync.fragments):
-            self._start(fragment, step, tokens_total, holders)
-        done = []
-        for pending in [p for p in self.pending if p.due_step <= step]:
-            done.append(self._finish(pending, step))
-        return done
+        """Advances the schedule by one inner step (the peer's `step`): starts the syncs due now and
+        finishes those whose τ ran out."""
+        self.clock += 1
+        for fragment in fragments_due(self.clock, self.inner_steps, self.sync.fragments):
+            self._start(fragment, tokens_total, holders)
+        return [self._finish(p, step) for p in [p for p in self.pending if p.due_step <= self.clock]]
 
     def drain(self, step: int) -> list[FragmentDone]:
         """Finishes every sync still in flight (before a checkpoint or leaving)."""
         return [self._finish(p, step) for p in list(self.pending)]
 
-    def _start(self, fragment: int, step: int, tokens_total: int, holders: dict[str, list[str]]) -> None:
+    def members_of(self, mid: str, holders: dict[str, list[str]]) -> list[str]:
+        """This round's group of a module: our planned subgroup, or every ready holder (us included)."""
+        round_index = self.round_of() if self.round_of else 0
+        group = self.group_of(mid, round_index) if self.group_of else None
+        members = group[1] if group is not None else holders.get(mid, [])
+        if group is None and self.runner is not None:
+            # holders that offered us outer gradients lately are active, whatever the claim view says
+            members = [
+                *members,
+                *self.runner.service.inbox.active_holders(mid, self.sync.averaging_timeout_seconds),
+            ]
+        return sorted(set(members) | {self.peer_id})
+
+    def _start(self, fragment: int, tokens_total: int, holders: dict[str, list[str]]) -> None:
         weight = max(1, tokens_total - self._tokens_at_sync[fragment])
         self._tokens_at_sync[fragment] = tokens_total
-        pending = PendingSync(fragment, step + self.sync.overlap_steps, float(weight))
+        pending = PendingSync(fragment, self.clock + self.sync.overlap_steps, float(weight))
+        fault_point("outer.before_allreduce")
         for mid, ms in self.syncs.items():
             if ms.fragment_size(fragment) == 0:
                 continue
             delta = ms.outer_gradient(fragment)
-            n_holders = len(set(holders.get(mid, [])) | {self.peer_id})
-            round_index = self.round_of() if self.round_of else 0
-            group = self.group_of(mid, round_index) if self.group_of else None
-            if group is not None:
-                n_holders = len(group[1])
-            if n_holders < 2 or ms.averager is None:
+            members = self.members_of(mid, holders)
+            if len(members) < 2 or self.runner is None:
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
-            subgroup = None if group is None else group[0]
-            ms.averager.set_group(fragment, self.sync.fragments, subgroup, round_index)
-            ms.averager.set_target_group_size(n_holders)
-            pending.controls[mid] = ms.averager.start_round(
-                delta,
-                weight,
-                self.outer_round_index,
-                timeout=self.sync.averaging_timeout_seconds,
-                global_fingerprint=ms.averager.fingerprint(ms.global_flats[fragment]),
-                module_round=ms.fragment_rounds[fragment],
-                fragment=fragment,
-            )
+            key = (mid, fragment, ms.fragment_rounds[fragment])
+            pending.deltas[mid] = delta
+            pending.epochs[mid] = ms.epoch
+            pending.futures[mid] = self.runner.start(key, delta, weight, members, ms.digest(fragment))
         self.pending.append(pending)
 
     def _finish(self, pending: PendingSync, step: int) -> FragmentDone:
         self.pending.remove(pending)
         fragment = pending.fragment
-        for mid, control in pending.controls.items():
-            pending.results[mid] = self.syncs[mid].averager.finish_round(
-                control, self.sync.averaging_timeout_seconds + 10
-            )
-        alpha = None if self.sync.overlap_steps == 0 else self.sync.mixing_alpha
+        # the round's own deadlines bound it; this is a last resort against a wedged event loop
+        limit = self.sync.averaging_timeout_seconds + self.sync.report_timeout_seconds + 30
+        for mid, future in pending.futures.items():
+            try:
+                pending.results[mid] = future.result(timeout=limit)
+            except Exception as e:
+                detail = f"{type(e).__name__}: {e}"
+                pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
+        fault_point("outer.after_allreduce")
         for mid, r in pending.results.items():
             ms = self.syncs[mid]
-            ms.apply(fragment, r.delta, alpha)
-            if r.repair_from:
-                self._repair(ms, fragment, r.repair_from)
+            if pending.epochs.get(mid, ms.epoch) != ms.epoch:
+                continue  # the module's state was downloaded meanwhile: it already holds this round
+            if r.outcome == "behind":
+                self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
+                self.totals.add(r)
+                if self.on_behind is not None and self.on_behind(ms, r.ahead):
+                    logger.info(f"{mid}: other holders were past our round; fetched their state")
+                continue
+            ms.apply(fragment, r.delta, self.sync.mixing_alpha if self.sync.overlap_steps else 0.0)
+            if self.on_applied is not None:
+                self.on_applied(ms, fragment, r)
             self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
             self.totals.add(r)
             for reason, count in r.bad_parts.items():
                 for _ in range(count):
                     self.metrics.bad_part(reason)
             if r.outcome not in ("averaged", "alone"):
-                logger.warning(
-                    f"{mid} fragment {fragment}: went on with our own outer gradient "
-                    f"({r.outcome}: {r.detail})"
-                )
-        if fragment == 0:
-            self.outer_round_index += 1
+                logger.warning(f"{mid} fragment {fragment}: {r.outcome} ({r.detail})")
         return FragmentDone(fragment, step, pending.results)
-
-    def _repair(self, ms: ModuleSync, fragment: int, donors: dict[str, int], attempts: int = 10) -> bool:
-        """Our copy disagreed with the group's majority before this round: take a majority member's
-        state once it has applied this round as well."""
-        for attempt in range(attempts):
-            got = ms.averager.download_state(sorted(donors), timeout=self.sync.averaging_timeout_seconds)
-            if got is None:
-                continue
-            donor, metadata, tensors = got
-            rounds = metadata.get("fragment_rounds") if isinstance(metadata, dict) else None
-            if not isinstance(rounds, list) or len(rounds) <= fragment or rounds[fragment] < donors[donor]:
-                time.sleep(0.2 * (attempt + 1))  # the donor has not applied this round yet
-                continue
-            try:
-                ms.load_state(metadata, tensors)
-            except StateRejected as e:
-                logger.warning(f"refused repair state from {donor}: {e}")
-                continue
-            logger.warning(
-                f"{ms.module_id}: our copy had drifted from the group's majority; repaired from {donor}"
-            )
-            return True
-        logger.error(f"{ms.module_id}: could not repair a drifted copy; will try again next round")
-        return False

@@ -1,50 +1,54 @@
 """The sync layer of one peer: everything that keeps the modules of its path equal to their holders'.
 
-`PathSync` owns a `ModuleSync` (global copy, outer optimizers) and a `ModuleAverager` per module of
-the path, the Streaming DiLoCo outer loop over them (`StreamingOuter`), catch-up from the holders
-that are ahead, and the sync state a checkpoint keeps: every module's global copy and momentum, and
-every fragment's round (fragments of a module sync at different steps, so a peer stopped mid-cycle
-has fragments one round apart).
+`PathSync` owns a `ModuleSync` (global copy, outer momentum) per module of the path, the Streaming
+DiLoCo outer loop over them (`StreamingOuter`), and the peer's end of the sync protocol: the
+`SyncService` (P2P), the `RoundRunner`, the history of state digests other holders may ask to
+confirm. It catches up from the holders that are ahead — downloading a module's state from one of
+them and loading it only once another holder confirms its digest — repairs a copy that a round's
+reports show to differ from the group's majority, and keeps the sync state a checkpoint holds
+(every fragment's round, since fragments of a module sync at different steps).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import hivemind
 import torch
 
 from monitoring.metrics import PeerMetrics
-from peer.codecs.specs import codec_spec
-from peer.config import RunManifest, SyncConfig
-from peer.errors import SwarmError
+from peer.codecs.formats import make_codec
+from peer.config import RunManifest
 from peer.model.grid import TRUNK, all_paths, path_module_ids
 from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
-from peer.sync.averager import ModuleAverager
+from peer.sync.aggregate import AggregatorConfig
+from peer.sync.inbox import Inbox
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
+from peer.sync.rounds import RoundResult, RoundRunner, RoundSettings
+from peer.sync.service import SyncService
+from peer.sync.state_transfer import (
+    StateHistory,
+    confirm_state,
+    digests_of,
+    download_state,
+    install_state_handlers,
+)
 
 logger = logging.getLogger(__name__)
 
-#: module id -> (peer id, module round) of the other holders a joiner may download it from
+#: module id -> (peer id, module round) of the other ready holders a joiner may download it from
 Donors = dict[str, list[tuple[str, int]]]
-
-
-def check_codec_slot(sync: SyncConfig) -> None:
-    """A run records the hivemind slot its codec occupied when it was created; peers of a version that
-    puts the codec in another slot would misread each other's parts, so they refuse to join."""
-    slot = codec_spec(sync.codec).hivemind_slot
-    if sync.codec_slot != slot:
-        raise SwarmError(
-            f"the run sends codec {sync.codec} in hivemind slot {sync.codec_slot}, this version uses {slot}: "
-            "upgrade pathswarm to the run's version"
-        )
+#: times a download waits for other holders to reach the state it is asked to confirm
+CONFIRM_ATTEMPTS = 4
 
 
 class PathSync:
-    """A `ModuleSync` and an averager per module of one path, and the outer loop over them."""
+    """A `ModuleSync` per module of one path, the outer loop over them and the protocol behind it."""
 
     def __init__(
         self,
@@ -55,7 +59,6 @@ class PathSync:
         group_of: GroupOf | None = None,
         round_of: Callable[[], int] | None = None,
     ):
-        check_codec_slot(manifest.sync)
         self.manifest = manifest
         self.peer_id = peer_id
         self.metrics = metrics
@@ -70,35 +73,79 @@ class PathSync:
             for mid in model.module_ids
         }
         self.outer = StreamingOuter(self.syncs, manifest, peer_id, metrics, group_of, round_of)
+        self.outer.on_applied = self._applied
+        self.outer.on_behind = self._behind
+        self.history = StateHistory()
+        self.service: SyncService | None = None
+        self._refused_seen: Counter[str] = Counter()
 
     @property
     def outer_round(self) -> int:
         """The trunk is on every path, so its round is the swarm's clock."""
         return self.syncs[TRUNK].outer_round
 
-    def start_averagers(self, dht: hivemind.DHT, prefix_of: Callable[[str], str], client_mode: bool) -> None:
+    def start(self, dht: hivemind.DHT, is_holder: Callable[[str, str], bool]) -> None:
+        """Opens this peer's end of the protocol (call once the modules hold their starting state)."""
         sync = self.manifest.sync
-        for mid, ms in self.syncs.items():
-            ms.averager = ModuleAverager(
-                max(ms.fragment_size(f) for f in range(ms.n_fragments)),
-                dht,
-                prefix=prefix_of(mid),
-                codec=sync.codec,
-                state_provider=lambda ms=ms: (ms.state_metadata(), ms.state_tensors()),
-                checksum_seed=stable_seed(self.manifest.run_id, mid),
-                max_part_norm=sync.max_delta_norm,
-                state_numel=2 * ms.plan.numel,
-                start=True,
-                min_matchmaking_time=sync.matchmaking_time_seconds,
-                request_timeout=min(3.0, sync.matchmaking_time_seconds / 2),
-                target_group_size=None,
-                client_mode=client_mode,
-            )
-            # Donors rank themselves differently per module, so a joiner's downloads spread out.
-            ms.averager.state_sharing_priority = stable_seed(self.peer_id, mid) / 2**63
+        codec = make_codec(sync.codec)
+        inbox = Inbox(
+            {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()},
+            codec,
+            is_holder,
+            max_senders=sync.max_round_senders,
+            max_delta_norm=sync.max_delta_norm,
+        )
+        self.service = SyncService(dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30)
+        install_state_handlers(self.service, self._snapshot, self.history)
+        aggregator = AggregatorConfig(
+            method=sync.aggregator, weight_cap=sync.weight_cap, norm_cap=sync.norm_cap
+        )
+        settings = RoundSettings(sync.averaging_timeout_seconds, sync.report_timeout_seconds, aggregator)
+        self.outer.runner = RoundRunner(self.service, codec, settings)
+        for ms in self.syncs.values():
+            self._track(ms)
+
+    def _track(self, ms: ModuleSync) -> None:
+        """Records the module's current state (for confirmations) and moves the inbox's windows."""
+        self.history.record(ms.module_id, ms.fragment_rounds, [ms.digest(f) for f in range(ms.n_fragments)])
+        if self.service is not None:
+            for f, r in enumerate(ms.fragment_rounds):
+                self.service.loop.call_soon_threadsafe(self.service.inbox.set_current, ms.module_id, f, r)
+
+    def _snapshot(self, module: str):
+        ms = self.syncs.get(module)
+        if ms is None:
+            return None
+        # apply() replaces the tensors rather than writing into them, so these references stay whole
+        rounds, tensors = list(ms.fragment_rounds), ms.state_tensors()
+        return rounds, tensors
+
+    def _applied(self, ms: ModuleSync, fragment: int, result: RoundResult) -> None:
+        self._track(ms)
+        if self.service is not None:
+            refused = self.service.refused - self._refused_seen
+            self._refused_seen = Counter(self.service.refused)
+            result.bad_parts = {
+                r: n for r, n in refused.items() if r in ("shape", "dtype", "nonfinite", "norm")
+            }
+        if result.repair_from:
+            logger.warning(f"{ms.module_id}: our copy differs from the group's majority; repairing it")
+            self.fetch_state(ms, result.repair_from)
+
+    def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
+        fetched = self.fetch_state(ms, ahead)
+        if fetched and ms.module_id == TRUNK:
+            self.outer.align(ms.fragment_rounds)
+        return fetched
+
+    def align(self) -> None:
+        """Puts the sync schedule where the trunk's fragment rounds say the swarm is."""
+        self.outer.align(self.syncs[TRUNK].fragment_rounds)
+
+    # --- catching up and repairing ------------------------------------------------------------------
 
     def catch_up(self, donors: Donors, our_round: int) -> None:
-        """Downloads the global copy of every module that other holders have advanced past `our_round`.
+        """Downloads the state of every module that other holders have advanced past `our_round`.
         Donors are the most advanced holders, ordered by a hash of (us, module, donor), so a joiner's
         modules come from different peers rather than all from one."""
         for mid, ms in self.syncs.items():
@@ -106,32 +153,65 @@ class PathSync:
             best = max((r for _, r in candidates), default=0)
             if best == 0 or best <= our_round:
                 continue  # nobody is ahead of us (round 0: everyone starts from the seeded init)
-            ordered = sorted(
-                (p for p, r in candidates if r == best),
-                key=lambda d, mid=mid: stable_seed(self.peer_id, mid, d),
-            )
-            got = ms.averager.download_state(ordered, timeout=self.manifest.sync.averaging_timeout_seconds)
-            if got is None:
-                logger.warning(f"{mid}: no holder sent its state; starting from our own copy")
-                continue
-            donor, metadata, tensors = got
+            ordered = sorted(candidates, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0])))
+            if self.fetch_state(ms, [p for p, _ in ordered]):
+                logger.info(f"{mid}: caught up to module round {ms.outer_round}")
+        self.align()
+
+    def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
+        """Loads a module's state from the first donor whose state another holder confirms."""
+        timeout = self.manifest.sync.averaging_timeout_seconds
+        numels = [t.numel() for t in ms.state_tensors()]
+        for donor in donors:
             try:
-                ms.load_state(metadata, tensors)
+                rounds, tensors = self.service.call(
+                    download_state(self.service, donor, ms.module_id, numels, timeout), timeout + 5
+                )
+            except Exception as e:
+                logger.warning(f"{ms.module_id}: state download from {donor} failed: {type(e).__name__}: {e}")
+                continue
+            digests = digests_of(tensors)
+            confirmers = [d for d in donors if d != donor]
+            if confirmers and not self._confirmed(ms.module_id, rounds, digests, confirmers):
+                logger.warning(f"{ms.module_id}: no other holder confirms the state {donor} sent; refused")
+                self.metrics.bad_part("unconfirmed")
+                continue
+            if not confirmers:
+                logger.warning(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
+            try:
+                ms.load_state(dict(module=ms.module_id, fragment_rounds=rounds), tensors)
             except StateRejected as e:
-                logger.warning(f"refused a downloaded state from {donor}: {e}")
+                logger.warning(f"refused the state {donor} sent: {e}")
                 self.metrics.bad_part("shape")
                 continue
-            logger.info(f"{mid}: downloaded the global copy (module round {ms.outer_round}) from {donor}")
+            self._track(ms)
+            return True
+        logger.error(f"{ms.module_id}: no holder sent a confirmed state; going on with our own copy")
+        return False
 
-    def fingerprints(self) -> dict[str, list[float]]:
-        """Sum and L1 norm of each module's global copy: cheap, and enough to see holders disagree."""
-        return {
-            mid: [
-                float(sum(g.sum() for g in ms.global_flats)),
-                float(sum(g.abs().sum() for g in ms.global_flats)),
-            ]
-            for mid, ms in self.syncs.items()
-        }
+    def _confirmed(self, module: str, rounds: list[int], digests: list[str], confirmers: list[str]) -> bool:
+        """True once more confirmers say "this was my state" than "my state at those rounds differs";
+        holders a little behind are asked again a few times."""
+        timeout = self.manifest.sync.report_timeout_seconds
+
+        async def ask():
+            return await asyncio.gather(
+                *(confirm_state(self.service, c, module, rounds, digests, timeout) for c in confirmers)
+            )
+
+        for attempt in range(CONFIRM_ATTEMPTS):
+            answers = self.service.call(ask(), timeout + 5)
+            yes, no = answers.count(True), answers.count(False)
+            if yes > no:
+                return True
+            if no > yes:
+                return False
+            self.service.call(asyncio.sleep(0.5 * (attempt + 1)))
+        return False
+
+    def fingerprints(self) -> dict[str, str]:
+        """Each module's state digest (what the claim publishes; equal on holders in step)."""
+        return {mid: ms.module_digest() for mid, ms in self.syncs.items()}
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -156,12 +236,10 @@ class PathSync:
         rounds = fragment_rounds or {}
         for mid, ms in self.syncs.items():
             ms.load_named_state(tensors, rounds.get(mid, [outer_round] * ms.n_fragments))
+            self._track(ms)
         self.outer.reset_tokens(tokens_total)
+        self.align()
 
     def shutdown(self) -> None:
-        for ms in self.syncs.values():
-            if ms.averager is not None:
-                try:
-                    ms.averager.shutdown()
-                except Exception as e:
-                    logger.debug(f"averager shutdown: {e}")
+        if self.service is not None:
+            self.service.shutdown()

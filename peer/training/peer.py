@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from dht.keys import averaging_prefix
 from dht.node import start_dht
 from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
@@ -108,9 +107,7 @@ class Peer:
         self._build_model()
         if resumed is not None:
             self._restore(*resumed)
-        self.sync.start_averagers(
-            self.dht, lambda mid: averaging_prefix(cfg.run_name, self.run_id, mid), cfg.client_mode
-        )
+        self.sync.start(self.dht, self.membership.is_holder)
         self.sync.catch_up(self.membership.donors(), self.outer_round)
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         self._start_data()
@@ -137,7 +134,7 @@ class Peer:
             publish_record(self.dht, self.key, record)
             pin = record.run_id
         manifest, record = fetch_manifest(self.dht, cfg.run_name, pin)
-        logger.info(f"joined run {cfg.run_name}@{record.run_id[:12]} as {self.peer_id}")
+        logger.info(f"joined run {cfg.run_name}@{record.run_id[:16]} as {self.peer_id}")
         publish_record(self.dht, self.key, record)
         return manifest, record
 
@@ -193,7 +190,8 @@ class Peer:
         )
         if self.sync is not None:
             totals = self.sync.outer.totals
-            progress.fingerprints = self.sync.fingerprints()
+            progress.digests = self.sync.fingerprints()
+            progress.module_rounds = self.sync.fragment_rounds()
             progress.sync_outcomes = dict(totals.outcomes)
             progress.bad_parts = dict(totals.bad_parts)
             progress.bytes_sent, progress.bytes_received = totals.bytes_sent, totals.bytes_received

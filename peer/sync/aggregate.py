@@ -1,0 +1,150 @@
+"""Robust, deterministic aggregation of the outer gradients a group of holders gathered.
+
+Every member of a group holds the same decoded inputs (the all-gather of `peer.sync.rounds`) and
+runs the same code on them, so every member must compute the *same bits* even on different CPUs.
+Hence: inputs in a fixed order (sorted by peer id); only element-wise float operations, each
+rounded once (no fused multiply-add, whose use differs between machines and vector widths); norms
+summed exactly (`math.fsum`, correctly rounded whatever the order); scalar factors computed in
+Python floats.
+
+Aggregators (the run's `sync.aggregator`):
+
+* `mean` — the token-weighted mean (DiLoCo); one hostile member can set it.
+* `clipped_mean` — weights capped at `weight_cap` × the group's median weight, each input's norm
+  clipped to `norm_cap` × the group's median norm, then the weighted mean: a ×1000 or huge-weight
+  member counts as one ordinary member.
+* `trimmed_mean` — coordinate-wise: the largest and smallest ⌊trim·n⌋ values of every coordinate
+  are dropped (at least one each side from 3 members on), the rest averaged (norms clipped first).
+* `centered_clip` (default) — CenteredClip (Karimireddy et al. 2021, used by BTARD, Gorbunov et al. 2022):
+  starting from the coordinate-wise median, v ← v + Σ wᵢ·clip(xᵢ − v, τ) / Σ wᵢ for a few
+  iterations, τ = the median distance of the inputs from the start; a member far from the others
+  moves the result by at most τ·wᵢ/Σw.
+
+With fewer than three members nobody can be outvoted: the robust methods fall back to
+`clipped_mean` there.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+AGGREGATORS = ("mean", "clipped_mean", "trimmed_mean", "centered_clip")
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One member's decoded outer gradient and its claimed weight (tokens since its last sync)."""
+
+    peer_id: str
+    delta: np.ndarray  # float32, flat
+    weight: float
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    """How a group combines its members' outer gradients; identical on every member (manifest)."""
+
+    method: str = "centered_clip"
+    #: a member's weight counts at most this many times the group's median weight
+    weight_cap: float = 2.0
+    #: a member's outer gradient is clipped to this many times the group's median norm
+    norm_cap: float = 2.0
+    #: trimmed_mean: fraction of members dropped at each end of every coordinate
+    trim_fraction: float = 0.25
+    #: centered_clip: iterations
+    iterations: int = 3
+
+
+def exact_norm(x: np.ndarray) -> float:
+    """The L2 norm, summed exactly: identical on every machine."""
+    squares = np.square(x, dtype=np.float64)
+    return math.sqrt(math.fsum(squares.tolist()))
+
+
+def _weights(contributions: Sequence[Contribution], cap: float | None) -> list[float]:
+    weights = [float(c.weight) for c in contributions]
+    if cap is not None and len(weights) > 1:
+        limit = cap * statistics.median(weights)
+        weights = [min(w, limit) for w in weights]
+    total = math.fsum(weights)
+    return [w / total for w in weights]
+
+
+def _clip_norms(contributions: Sequence[Contribution], cap: float) -> list[np.ndarray]:
+    """Each input scaled down to at most `cap` × the median input norm (identical everywhere)."""
+    norms = [exact_norm(c.delta) for c in contributions]
+    if len(norms) < 2:
+        return [c.delta for c in contributions]
+    limit = cap * statistics.median(norms)
+    out = []
+    for c, norm in zip(contributions, norms, strict=True):
+        factor = 1.0 if norm <= limit or norm == 0 else limit / norm
+        out.append(c.delta if factor == 1.0 else np.multiply(c.delta, np.float32(factor)))
+    return out
+
+
+def _weighted_sum(inputs: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Σ wᵢ·xᵢ in float64, one rounding per operation, in the given order."""
+    acc = np.zeros(inputs[0].shape, dtype=np.float64)
+    for x, w in zip(inputs, weights, strict=True):
+        term = np.multiply(x, np.float64(w), dtype=np.float64)
+        acc = np.add(acc, term)
+    return acc
+
+
+def _trimmed_mean(inputs: Sequence[np.ndarray], trim_fraction: float) -> np.ndarray:
+    n = len(inputs)
+    k = max(1, math.floor(trim_fraction * n)) if n >= 3 else 0
+    stacked = np.sort(np.stack(inputs).astype(np.float64), axis=0)
+    kept = stacked[k : n - k]
+    acc = np.zeros(kept.shape[1:], dtype=np.float64)
+    for row in kept:  # fixed order: the sorted values of each coordinate
+        acc = np.add(acc, row)
+    return np.divide(acc, np.float64(len(kept)))
+
+
+def _centered_clip(inputs: Sequence[np.ndarray], weights: Sequence[float], iterations: int) -> np.ndarray:
+    stacked = np.stack(inputs).astype(np.float64)
+    ordered = np.sort(stacked, axis=0)
+    n = len(inputs)
+    v = np.multiply(np.add(ordered[(n - 1) // 2], ordered[n // 2]), np.float64(0.5))  # coordinate median
+    tau = statistics.median(exact_norm(np.subtract(x, v)) for x in stacked)
+    for _ in range(iterations):
+        step = np.zeros_like(v)
+        for x, w in zip(stacked, weights, strict=True):
+            diff = np.subtract(x, v)
+            norm = exact_norm(diff)
+            factor = 1.0 if norm <= tau or norm == 0 else tau / norm
+            step = np.add(step, np.multiply(diff, np.float64(w * factor)))
+        v = np.add(v, step)
+    return v
+
+
+def aggregate(contributions: Sequence[Contribution], config: AggregatorConfig) -> np.ndarray:
+    """The group's outer gradient (float32), identical on every member given the same inputs."""
+    if not contributions:
+        raise ValueError("nothing to aggregate")
+    ordered = sorted(contributions, key=lambda c: c.peer_id)
+    if len({c.delta.shape for c in ordered}) != 1:
+        raise ValueError("contributions of different shapes")
+    method = config.method
+    if len(ordered) < 3 and method in ("trimmed_mean", "centered_clip"):
+        method = "clipped_mean"  # two members cannot outvote each other: bound them, then average
+    if method == "mean":
+        result = _weighted_sum([c.delta for c in ordered], _weights(ordered, None))
+    elif method == "clipped_mean":
+        result = _weighted_sum(_clip_norms(ordered, config.norm_cap), _weights(ordered, config.weight_cap))
+    elif method == "trimmed_mean":
+        result = _trimmed_mean(_clip_norms(ordered, config.norm_cap), config.trim_fraction)
+    elif method == "centered_clip":
+        result = _centered_clip(
+            _clip_norms(ordered, config.norm_cap), _weights(ordered, config.weight_cap), config.iterations
+        )
+    else:
+        raise ValueError(f"unknown aggregator {method!r}; choose one of {', '.join(AGGREGATORS)}")
+    return result.astype(np.float32)

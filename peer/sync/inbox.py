@@ -1,0 +1,183 @@
+"""What other holders sent this peer for its rounds: outer gradients and reports, validated and bounded.
+
+The inbox accepts a message only for a module this peer holds, from a peer the claim view says holds
+it too, for a round inside the window [current, current + LOOKAHEAD_ROUNDS] of that fragment (a
+faster holder may be a round or two ahead; older rounds are over). Each sender gets one delivery and
+one report per round; the number of senders per round is capped; a payload is decoded and checked
+(finite, norm bound) before it counts. Messages are kept until their round is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from peer.codecs.formats import Codec, CodecError
+from peer.sync.wire import DeltaHeader, Report
+
+logger = logging.getLogger(__name__)
+
+#: rounds ahead of a fragment's current round that are buffered (a holder may run ahead this far)
+LOOKAHEAD_ROUNDS = 2
+
+Key = tuple[str, int, int]  # (module, fragment, round)
+
+
+def delivery_digest(weight: float, payload: bytes) -> str:
+    """What members compare to see that a sender sent everyone the same thing (weight included)."""
+    return hashlib.sha256(repr(float(weight)).encode() + b"\0" + payload).hexdigest()
+
+
+@dataclass
+class Delivery:
+    """One member's outer gradient for one round, decoded and checked."""
+
+    sender: str
+    weight: float
+    digest: str
+    delta: torch.Tensor
+    wire_bytes: int
+
+
+class Refused(Exception):
+    """A message the inbox does not take; `reason` goes into the sender's ACK and our counters."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class _Slot:
+    """Everything received for one round key, and an event set on each arrival."""
+
+    deliveries: dict[str, Delivery] = field(default_factory=dict)
+    reports: dict[str, Report] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Inbox:
+    """Deliveries and reports by round key; lives on the sync service's event loop."""
+
+    def __init__(
+        self,
+        fragment_sizes: dict[str, list[int]],
+        codec: Codec,
+        is_holder: Callable[[str, str], bool],
+        max_senders: int,
+        max_delta_norm: float,
+    ):
+        self.fragment_sizes = fragment_sizes
+        self.codec = codec
+        self.is_holder = is_holder
+        self.max_senders = max_senders
+        self.max_delta_norm = max_delta_norm
+        self.current: dict[tuple[str, int], int] = {}
+        self._slots: dict[Key, _Slot] = {}
+        #: the highest round another holder announced per fragment (a hint that we fell behind)
+        self.seen_ahead: dict[tuple[str, int], int] = {}
+        #: module -> holder -> when it last offered us an outer gradient (it is active in the module)
+        self.active: dict[str, dict[str, float]] = {}
+
+    def active_holders(self, module: str, within_seconds: float) -> list[str]:
+        """Holders that offered outer gradients of `module` lately (readable from any thread)."""
+        now = time.monotonic()
+        recent = dict(self.active.get(module, {})).items()
+        return [p for p, t in recent if now - t <= within_seconds and self.is_holder(p, module)]
+
+    def slot(self, key: Key) -> _Slot:
+        if key not in self._slots:
+            self._slots[key] = _Slot()
+        return self._slots[key]
+
+    def set_current(self, module: str, fragment: int, round_index: int) -> None:
+        """The fragment's next round is `round_index`: drop what belongs to earlier rounds."""
+        self.current[(module, fragment)] = round_index
+        for key in [k for k in self._slots if k[0] == module and k[1] == fragment and k[2] < round_index]:
+            del self._slots[key]
+
+    def check_key(self, sender: str, module: str, fragment: int, round_index: int) -> Key:
+        sizes = self.fragment_sizes.get(module)
+        if sizes is None:
+            raise Refused("not_held", f"we do not hold {module}")
+        if not 0 <= fragment < len(sizes):
+            raise Refused("shape", f"{module} has no fragment {fragment}")
+        if not self.is_holder(sender, module):
+            raise Refused("not_holder", f"{sender} holds no claim on {module}")
+        self.active.setdefault(module, {})[sender] = time.monotonic()
+        current = self.current.get((module, fragment), 0)
+        if round_index > current + LOOKAHEAD_ROUNDS:
+            key = (module, fragment)
+            self.seen_ahead[key] = max(self.seen_ahead.get(key, 0), round_index)
+            raise Refused("ahead", f"round {round_index}, ours is {current}")
+        if round_index < current:
+            raise Refused("stale", f"round {round_index} is over (ours is {current})")
+        key = (module, fragment, round_index)
+        slot = self.slot(key)
+        if sender not in slot.deliveries and sender not in slot.reports:
+            senders = set(slot.deliveries) | set(slot.reports)
+            if len(senders) >= self.max_senders:
+                raise Refused("full", f"{len(senders)} senders already")
+        return key
+
+    def check_delta_header(self, sender: str, header: DeltaHeader) -> Key:
+        k = header.key
+        key = self.check_key(sender, k.module, k.fragment, k.round)
+        numel = self.fragment_sizes[k.module][k.fragment]
+        if header.codec != self.codec.spec.name:
+            raise Refused("dtype", f"codec {header.codec}, the run uses {self.codec.spec.name}")
+        if header.numel != numel or header.payload_bytes != self.codec.spec.wire_bytes(numel):
+            raise Refused("shape", f"{header.numel} values in {header.payload_bytes} bytes, expected {numel}")
+        if sender in self.slot(key).deliveries:
+            raise Refused("duplicate", "one outer gradient per sender and round")
+        return key
+
+    def decode(self, header: DeltaHeader, payload: bytes) -> torch.Tensor:
+        """Decodes and checks an outer gradient (runs in an executor: it costs CPU)."""
+        try:
+            delta = self.codec.decode(payload, header.numel)
+        except CodecError as e:
+            raise Refused("shape", str(e)) from None
+        if not torch.isfinite(delta).all():
+            raise Refused("nonfinite", "NaN or inf values")
+        norm = float(delta.double().norm())
+        if self.max_delta_norm > 0 and norm > self.max_delta_norm:
+            raise Refused("norm", f"L2 norm {norm:.3g} exceeds {self.max_delta_norm:g}")
+        return delta
+
+    def add_delivery(self, key: Key, delivery: Delivery) -> None:
+        slot = self.slot(key)
+        if delivery.sender in slot.deliveries:
+            raise Refused("duplicate", "one outer gradient per sender and round")
+        slot.deliveries[delivery.sender] = delivery
+        slot.changed.set()
+
+    def add_report(self, sender: str, report: Report) -> None:
+        k = report.key
+        key = self.check_key(sender, k.module, k.fragment, k.round)
+        slot = self.slot(key)
+        if sender in slot.reports:
+            raise Refused("duplicate", "one report per sender and round")
+        slot.reports[sender] = report
+        slot.changed.set()
+
+    async def wait(self, key: Key, until: Callable[[_Slot], bool], deadline: float) -> bool:
+        """Waits until `until(slot)` holds or the loop's clock passes `deadline`."""
+        loop = asyncio.get_running_loop()
+        slot = self.slot(key)
+        while not until(slot):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            slot.changed.clear()
+            try:
+                await asyncio.wait_for(slot.changed.wait(), remaining)
+            except TimeoutError:
+                return until(slot)
+        return True

@@ -1,0 +1,171 @@
+"""One peer's end of the sync protocol: a P2P stream handler and an event loop of its own.
+
+`SyncService` runs an asyncio loop in a background thread of the peer's main process, on a replica
+of the DHT's P2P daemon connection (no averager processes, no DHT matchmaking). Incoming streams
+carry one request each (`peer.sync.wire`): an outer gradient for a round (into the `Inbox`), a
+member's report of a round, a request for a module's state, or a confirmation query about a state
+digest (`peer.sync.state_transfer`). Every stream has a deadline, so a peer that opens a stream and
+sends nothing (slow loris) only holds it for `stream_timeout_seconds`. The rounds themselves are run
+by `peer.sync.rounds`, on this loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import hivemind
+from hivemind.p2p import PeerID
+
+from peer.background_loop import BackgroundLoop
+from peer.faults import fault_point
+from peer.sync import wire
+from peer.sync.inbox import Delivery, Inbox, Refused, delivery_digest
+from peer.sync.wire import Ack, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class SyncService:
+    """The P2P side of a peer's sync layer: receives what other holders send, sends ours."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        inbox: Inbox,
+        stream_timeout_seconds: float = 60.0,
+        handlers: dict[Kind, Callable] | None = None,
+    ):
+        self.run = run_id[:16]
+        self.inbox = inbox
+        self.stream_timeout = stream_timeout_seconds
+        self.extra_handlers = dict(handlers or {})
+        #: refused messages by reason; read by the peer's metrics
+        self.refused: Counter[str] = Counter()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._background = BackgroundLoop("sync")
+        self.loop = self._background.loop
+        self.p2p = self.call(self._start(dht), timeout=30)
+        self.peer_id = self.p2p.peer_id.to_base58()
+
+    def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Runs a coroutine on the service's loop and waits for it (from another thread)."""
+        return self._background.call(coro, timeout)
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return self._background.submit(coro)
+
+    async def _start(self, dht: hivemind.DHT):
+        p2p = await dht.replicate_p2p()
+        await p2p.add_binary_stream_handler(wire.PROTOCOL, self._handle)
+        return p2p
+
+    def shutdown(self) -> None:
+        async def cleanup():
+            await self.p2p.remove_binary_stream_handler(wire.PROTOCOL)
+            await self.p2p.shutdown()
+
+        self._background.stop(cleanup)
+
+    # --- incoming ---------------------------------------------------------------------------------
+
+    async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = stream_info.peer_id.to_base58()  # authenticated by libp2p: the sender's own key
+        try:
+            await asyncio.wait_for(self._dispatch(sender, reader, writer), self.stream_timeout)
+        except (wire.WireError, asyncio.IncompleteReadError, ConnectionError, TimeoutError) as e:
+            self.refused["protocol"] += 1
+            logger.debug(f"sync stream from {sender} dropped: {type(e).__name__}: {e}")
+        finally:
+            writer.close()
+
+    async def _dispatch(self, sender: str, reader, writer) -> None:
+        kinds = {Kind.DELTA, Kind.REPORT, *self.extra_handlers}
+        kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
+        self.bytes_received += len(body) + 5
+        try:
+            if kind == Kind.DELTA:
+                await self._on_delta(sender, wire.parse(wire.DeltaHeader, body), reader, writer)
+            elif kind == Kind.REPORT:
+                report = wire.parse(wire.Report, body)
+                self._check_run(report.run)
+                self.inbox.add_report(sender, report)
+            else:
+                await self.extra_handlers[kind](sender, body, reader, writer)
+                return
+        except Refused as e:
+            self.refused[e.reason] += 1
+            if e.reason not in ("stale", "ahead"):
+                logger.warning(f"refused a {kind.name.lower()} from {sender}: {e}")
+            await self._ack(writer, Ack(ok=False, reason=str(e)[:256]))
+            return
+        await self._ack(writer, Ack(ok=True))
+
+    def _check_run(self, run: str) -> None:
+        if run != self.run:
+            raise Refused("run", f"run {run}, ours is {self.run}")
+
+    async def _on_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
+        self._check_run(header.run)
+        key = self.inbox.check_delta_header(sender, header)
+        fault_point("sync.receive_delta")
+        await self._ack(writer, Ack(ok=True, reason="go"))  # only now may the payload come
+        _, payload = await wire.read_frame(reader, {Kind.PAYLOAD}, header.payload_bytes)
+        if len(payload) != header.payload_bytes:
+            raise Refused("shape", f"payload of {len(payload)} bytes, header said {header.payload_bytes}")
+        self.bytes_received += len(payload) + 5
+        delta = await self.loop.run_in_executor(None, self.inbox.decode, header, payload)
+        digest = delivery_digest(header.weight, payload)
+        self.inbox.add_delivery(key, Delivery(sender, header.weight, digest, delta, len(payload)))
+
+    async def _ack(self, writer, ack: Ack) -> None:
+        frame = wire.pack_header(Kind.ACK, ack)
+        self.bytes_sent += len(frame)
+        try:
+            await wire.write(writer, frame)
+        except ConnectionError:
+            pass
+
+    # --- outgoing ---------------------------------------------------------------------------------
+
+    async def request(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
+        """Sends one request to `peer` and returns its final ACK; raises on any failure. A request of
+        several frames is sent frame by frame, each only after the receiver said "go" to the one
+        before: a refused header costs the sender no payload, and the receiver never closes a stream
+        with data of ours still unread (which would reset it before our ACK arrives)."""
+
+        async def go() -> Ack:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer), wire.PROTOCOL
+            )
+            try:
+                for i, frame in enumerate(frames):
+                    if i:
+                        fault_point("sync.between_frames")
+                    await wire.write(writer, frame)
+                    self.bytes_sent += len(frame)
+                    _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+                    self.bytes_received += len(body) + 5
+                    ack = wire.parse(Ack, body)
+                    if not ack.ok or i == len(frames) - 1:
+                        return ack
+                raise wire.WireError("a request needs at least one frame")
+            finally:
+                writer.close()
+
+        return await asyncio.wait_for(go(), timeout)
+
+    async def open(self, peer: str, frames: list[bytes], timeout: float):
+        """Opens a stream to `peer` and sends `frames`; the caller reads the answer and closes it."""
+        _, reader, writer = await asyncio.wait_for(
+            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), wire.PROTOCOL), timeout
+        )
+        await wire.write(writer, *frames)
+        self.bytes_sent += sum(len(f) for f in frames)
+        return reader, writer

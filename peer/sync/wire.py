@@ -1,0 +1,176 @@
+"""The sync protocol's messages and framing on a hivemind P2P stream, with every size capped first.
+
+A frame is one kind byte, a 4-byte big-endian length and the body. The reader knows the largest
+body each kind may have before it reads one byte of it (hivemind's own framing reads whatever
+length the sender declares), so no peer can make another allocate more than the protocol allows:
+headers are msgpack maps of at most `MAX_HEADER_BYTES`, and a payload's exact size follows from a
+header the receiver has already validated against its own model.
+
+Headers are versioned pydantic schemas; unknown fields from newer peers are ignored, malformed
+known fields refuse the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import re
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PROTOCOL = "pathswarm_sync_v1"
+MAX_HEADER_BYTES = 64 * 1024
+_HEX = re.compile(r"^[0-9a-f]{1,64}$")
+_MODULE = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
+
+
+class Kind(enum.IntEnum):
+    """The first byte of a frame: what the body is."""
+
+    DELTA = 1  # DeltaHeader, answered by ACK "go" or a refusal; then PAYLOAD, answered by an ACK
+    REPORT = 2  # Report; answered with an ACK
+    STATE_REQUEST = 3  # StateRequest; answered with STATE_HEADER and PAYLOAD frames, or an ACK refusing
+    STATE_HEADER = 4
+    CONFIRM = 5  # Confirm; answered with an ACK whose `ok` says whether the digest matches
+    PAYLOAD = 6
+    ACK = 7
+
+
+class WireError(ValueError):
+    """A peer sent something the protocol does not allow; the stream is closed."""
+
+
+class Header(BaseModel):
+    """Fields every request carries: the protocol version and the run (first 16 hex digits of its id)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = Field(1, ge=1, le=1)
+    run: str = Field(min_length=16, max_length=16)
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, v: str) -> str:
+        if not _HEX.match(v):
+            raise ValueError("run must be hex")
+        return v
+
+
+class RoundKey(BaseModel):
+    """One sync of one fragment of one module: the round is the fragment's count of applied syncs,
+    equal on every holder whose copy is in step."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    module: str = Field(max_length=16)
+    fragment: int = Field(ge=0, lt=64)
+    round: int = Field(ge=0, lt=2**40)
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, v: str) -> str:
+        if not _MODULE.match(v):
+            raise ValueError(f"bad module id {v!r}")
+        return v
+
+    def as_tuple(self) -> tuple[str, int, int]:
+        return (self.module, self.fragment, self.round)
+
+
+class DeltaHeader(Header):
+    """A member's outer gradient for a round: what the payload that follows holds, and its size."""
+
+    key: RoundKey
+    #: tokens the sender trained since its last sync of this fragment (a claim: capped by the group)
+    weight: float = Field(gt=0, le=1e12, allow_inf_nan=False)
+    codec: str = Field(max_length=16)
+    numel: int = Field(ge=0, lt=2**34)
+    payload_bytes: int = Field(ge=0, lt=2**36)
+
+
+class Report(Header):
+    """What one member received for a round (sender -> sha256 of its payload, itself included) and
+    the digest of its own copy of the fragment before the round."""
+
+    key: RoundKey
+    received: dict[str, str] = Field(max_length=256)
+    state_digest: str = Field(max_length=64)
+
+
+class StateRequest(Header):
+    """Asks for a module's global copy and outer momentum."""
+
+    module: str = Field(max_length=16)
+
+
+class StateHeader(Header):
+    """Precedes a module's state: its fragment rounds and the size of each tensor that follows."""
+
+    module: str = Field(max_length=16)
+    fragment_rounds: list[int] = Field(max_length=64)
+    #: numbers in each tensor that follows (θ̄ per fragment, then momentum per fragment)
+    numels: list[int] = Field(max_length=128)
+
+
+class Confirm(Header):
+    """ "Was your copy of `module` at `fragment_rounds` the state with `digest`?" (fragment digests)."""
+
+    module: str = Field(max_length=16)
+    fragment_rounds: list[int] = Field(max_length=64)
+    digests: list[str] = Field(max_length=64)
+
+
+class Ack(BaseModel):
+    """The answer to a request: accepted ("go" between frames), or refused and why."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    ok: bool
+    reason: str = Field("", max_length=256)
+
+
+H = TypeVar("H", bound=BaseModel)
+
+
+def pack(kind: Kind, body: bytes) -> bytes:
+    return bytes([kind]) + len(body).to_bytes(4, "big") + body
+
+
+def pack_header(kind: Kind, header: BaseModel) -> bytes:
+    return pack(kind, msgpack.packb(header.model_dump(mode="json"), use_bin_type=True))
+
+
+async def read_frame(reader: asyncio.StreamReader, expect: set[Kind], max_bytes: int) -> tuple[Kind, bytes]:
+    """One frame of an expected kind whose body is at most `max_bytes`, checked before reading it."""
+    head = await reader.readexactly(5)
+    try:
+        kind = Kind(head[0])
+    except ValueError:
+        raise WireError(f"unknown frame kind {head[0]}") from None
+    if kind not in expect:
+        raise WireError(f"unexpected {kind.name} frame")
+    length = int.from_bytes(head[1:], "big")
+    if length > max_bytes:
+        raise WireError(f"{kind.name} frame of {length} bytes exceeds its cap of {max_bytes}")
+    return kind, await reader.readexactly(length)
+
+
+def parse(schema: type[H], body: bytes) -> H:
+    try:
+        data: Any = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        return schema.model_validate(data)
+    except (ValueError, TypeError, ValidationError, msgpack.ExtraData, msgpack.FormatError) as e:
+        raise WireError(f"malformed {schema.__name__}: {str(e).splitlines()[0][:200]}") from None
+
+
+async def read_header(reader: asyncio.StreamReader, kind: Kind, schema: type[H]) -> H:
+    _, body = await read_frame(reader, {kind}, MAX_HEADER_BYTES)
+    return parse(schema, body)
+
+
+async def write(writer: asyncio.StreamWriter, *frames: bytes) -> None:
+    for frame in frames:
+        writer.write(frame)
+    await writer.drain()

@@ -1,0 +1,178 @@
+"""Sync rounds between real peers on loopback: the average every member applies, bit for bit, and
+what happens to members that are missing, late, malformed, hostile or equivocating."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+import torch
+
+from peer.codecs.formats import make_codec
+from peer.sync import wire
+from peer.sync.wire import Kind
+from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
+
+NUMEL = 6077
+
+
+def deltas_for(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=gen) * 0.01 * (i + 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "nf4"])
+def test_members_end_a_round_with_the_same_bits_equal_to_the_weighted_mean(dht_factory, codec):
+    deltas, weights = deltas_for(3), [1.0, 2.0, 3.0]
+    c = make_codec(codec)
+    decoded = [c.decode(c.encode(d), NUMEL) for d in deltas]
+    expected = sum(w * d.double() for w, d in zip(weights, decoded, strict=True)) / sum(weights)
+    with sync_group(dht_factory, 3, NUMEL, codec=codec) as members:
+        results = run_round(members, deltas, weights)
+    assert [r.outcome for r in results] == ["averaged"] * 3, [r.detail for r in results]
+    assert all(r.group_size == 3 and not r.dropped for r in results)
+    # not "close": the same bits on every member, so their global copies never walk apart
+    assert all(torch.equal(r.delta, results[0].delta) for r in results)
+    assert float((results[0].delta.double() - expected).abs().max()) < 1e-7
+    assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
+
+
+def test_robust_aggregator_bounds_a_member_sending_1000_times_its_gradient(dht_factory):
+    deltas = deltas_for(4, seed=1)
+    honest = torch.stack(deltas[:3]).mean(0)
+    deltas[3] = deltas[3] * 1000
+    errors = {}
+    for method in ("mean", "centered_clip"):
+        with sync_group(dht_factory, 4, NUMEL, aggregator=method) as members:
+            results = run_round(members, deltas, [1.0] * 4)
+        assert all(torch.equal(r.delta, results[0].delta) for r in results)
+        errors[method] = float((results[0].delta - honest).norm() / honest.norm())
+    assert errors["mean"] > 100
+    assert errors["centered_clip"] < 1.0, errors
+
+
+def test_a_member_that_never_sends_is_left_out_by_all_and_the_others_average(dht_factory):
+    deltas = deltas_for(3, seed=2)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=6.0) as members:
+        ids = [m.peer_id for m in members]
+        started = time.monotonic()
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members[:2], deltas, strict=False)
+        ]
+        results = [f.result(timeout=30) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"]
+    assert all(r.members == sorted(ids[:2]) and r.dropped == {ids[2]: "missing"} for r in results)
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, (deltas[0] + deltas[1]) / 2, atol=1e-7)
+    assert seconds < 6.0 + 2.0 + 3.0  # the averaging timeout, the report timeout, and slack
+
+
+def test_a_late_member_applies_the_average_the_others_agreed_on(dht_factory):
+    deltas = deltas_for(3, seed=3)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=3.0) as members:
+        ids = [m.peer_id for m in members]
+        early = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members[:2], deltas, strict=False)
+        ]
+        early_results = [f.result(timeout=30) for f in early]
+        late = members[2].runner.start((MODULE, 0, 0), deltas[2], 1.0, ids, "0" * 64).result(timeout=30)
+    assert late.outcome == "excluded" and ids[2] not in late.members
+    assert all(torch.equal(late.delta, r.delta) for r in early_results)
+
+
+def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht_factory):
+    deltas = deltas_for(3, seed=4)
+    with sync_group(dht_factory, 3, NUMEL, max_delta_norm=1e3) as members:
+        a, b, hostile = members
+        nan = torch.full((NUMEL,), float("nan"))
+        assert not send_delta(hostile, a, fp32_bytes(nan), NUMEL).ok
+        huge = torch.full((NUMEL,), 1e3)
+        assert not send_delta(hostile, b, fp32_bytes(huge), NUMEL).ok
+        short = send_delta(hostile, a, fp32_bytes(deltas[2])[:-4], NUMEL)
+        assert not short.ok and "shape" in short.reason
+        oversized = send_delta(hostile, a, b"", NUMEL, payload_bytes=2**35)
+        assert not oversized.ok  # refused from its header, before a byte of payload is read
+        ids = [m.peer_id for m in members]
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip((a, b), deltas, strict=False)
+        ]
+        results = [f.result(timeout=30) for f in futures]
+        refused = dict(a.service.refused) | dict(b.service.refused)
+    assert {"nonfinite", "norm", "shape"} <= set(refused), refused
+    assert all(r.members == sorted([a.peer_id, b.peer_id]) for r in results)
+    assert torch.equal(results[0].delta, results[1].delta)
+
+
+def test_a_sender_that_sends_different_bytes_to_different_members_is_dropped_by_both(dht_factory):
+    deltas = deltas_for(3, seed=5)
+    with sync_group(dht_factory, 3, NUMEL) as members:
+        a, b, hostile = members
+        assert send_delta(hostile, a, fp32_bytes(deltas[2]), NUMEL).ok
+        assert send_delta(hostile, b, fp32_bytes(-deltas[2]), NUMEL).ok
+        ids = [m.peer_id for m in members]
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip((a, b), deltas, strict=False)
+        ]
+        results = [f.result(timeout=30) for f in futures]
+    for r in results:
+        assert r.members == sorted([a.peer_id, b.peer_id]) and "disputed" in r.dropped[hostile.peer_id]
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, (deltas[0] + deltas[1]) / 2, atol=1e-7)
+
+
+def test_a_frame_longer_than_its_cap_is_dropped_before_it_is_read(dht_factory):
+    with sync_group(dht_factory, 2, NUMEL) as members:
+        a, b = members
+
+        async def flood():
+            from hivemind.p2p import PeerID
+
+            _, reader, writer = await a.service.p2p.call_binary_stream_handler(
+                PeerID.from_base58(b.peer_id), wire.PROTOCOL
+            )
+            # a DELTA frame claiming 4 GiB of header: the receiver must close without reading it
+            writer.write(bytes([Kind.DELTA]) + struct.pack(">I", 2**32 - 1) + b"x" * 1024)
+            await writer.drain()
+            data = await reader.read()
+            writer.close()
+            return data
+
+        assert a.service.call(flood(), timeout=20) == b""
+        deadline = time.monotonic() + 5
+        while not b.service.refused["protocol"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert b.service.refused["protocol"] == 1
+
+
+def test_rounds_outside_the_window_are_refused(dht_factory):
+    with sync_group(dht_factory, 2, NUMEL) as members:
+        a, b = members
+        x = fp32_bytes(torch.zeros(NUMEL))
+        assert send_delta(a, b, x, NUMEL, round_index=2).ok  # a holder up to two rounds ahead is kept
+        ahead = send_delta(a, b, x, NUMEL, round_index=3)
+        assert not ahead.ok and "ahead" in ahead.reason
+        assert b.service.inbox.seen_ahead[(MODULE, 0)] == 3
+        b.service.call(_set_current(b, 2))
+        stale = send_delta(a, b, x, NUMEL, round_index=1)
+        assert not stale.ok and "stale" in stale.reason
+        wrong_run = wire.DeltaHeader(
+            run="cd" * 8, key=wire.RoundKey(module=MODULE, fragment=0, round=2), weight=1.0, codec="fp32",
+            numel=NUMEL, payload_bytes=len(x),
+        )  # fmt: skip
+        ack = a.service.call(
+            a.service.request(
+                b.peer_id, [wire.pack_header(Kind.DELTA, wrong_run), wire.pack(Kind.PAYLOAD, x)], 10
+            )
+        )
+        assert not ack.ok and "run" in ack.reason
+    assert RUN_ID[:16] != "cd" * 8
+
+
+async def _set_current(member, round_index):
+    member.service.inbox.set_current(MODULE, 0, round_index)
