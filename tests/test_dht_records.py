@@ -31,7 +31,7 @@ def test_claims_round_trip_and_forgery_refused(dht_factory):
     a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
     b, key_b = dht_factory(run_name=RUN, run_id=RUN_ID)
     reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
-    id_a, id_b = peer_id_of_key(key_a), peer_id_of_key(key_b)
+    id_a = peer_id_of_key(key_a)
     assert id_a == str(a.peer_id)  # the record-signing key is the node's libp2p identity
     assert publish_claim(a, key_a, RUN, RUN_ID, claim(id_a, path=1))
 
