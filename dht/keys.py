@@ -16,8 +16,12 @@ _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 CLAIM_TTL_SECONDS = 30.0
 #: Probe results (compute, memory, links) are re-measured every few minutes.
 PROBE_TTL_SECONDS = 300.0
+#: Keepers re-publish what module states they hold; their record lives this long.
+STASH_TTL_SECONDS = 300.0
 #: Every peer holding a verified manifest re-publishes it this often, with this TTL.
 MANIFEST_TTL_SECONDS = 300.0
+#: A reader keeps at most this many claims of one run (a flood of keys cannot grow its memory).
+MAX_CLAIMS_PER_RUN = 4096
 #: No record may claim to live longer than this (a forged far-future expiry is refused).
 MAX_RECORD_TTL_SECONDS = 600.0
 
@@ -51,6 +55,13 @@ def probes_key(run_name: str, run_id: str) -> str:
     return f"{run_namespace(run_name, run_id)}_probes"
 
 
+def stash_key(run_name: str, run_id: str) -> str:
+    """Module states a keeper holds (`pathswarm bootstrap --keep_state`): one record per keeper under
+    its owner subkey, listing each module's fragment rounds and digest; TTL STASH_TTL_SECONDS,
+    re-published as the kept states advance."""
+    return f"{run_namespace(run_name, run_id)}_stash"
+
+
 def averaging_prefix(run_name: str, run_id: str, module_id: str, fragment: int = 0) -> str:
     """hivemind matchmaking prefix for the holders of one module fragment (hivemind writes the
     group records under it, with its own short expirations)."""
@@ -63,4 +74,5 @@ def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
     if run_id is not None:
         keys["claim"] = claims_key(run_name, run_id)
         keys["probe"] = probes_key(run_name, run_id)
+        keys["stash"] = stash_key(run_name, run_id)
     return keys

@@ -115,4 +115,33 @@ class ProbeRecord(Record):
         return v
 
 
-SCHEMAS: dict[str, type[Record]] = {"manifest": ManifestRecord, "claim": ClaimRecord, "probe": ProbeRecord}
+class KeptModule(BaseModel):
+    """One module state a keeper holds."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    fragment_rounds: list[int] = Field(max_length=64)
+    digest: str = Field(min_length=64, max_length=64)
+
+
+class StashRecord(Record):
+    """The module states one keeper holds and serves (the last copy of a module whose holders left)."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    modules: dict[str, KeptModule] = Field(default_factory=dict, max_length=512)
+
+    @field_validator("modules")
+    @classmethod
+    def _module_ids(cls, v: dict[str, KeptModule]) -> dict[str, KeptModule]:
+        for m in v:
+            if not _MODULE_ID.match(m):
+                raise ValueError(f"bad module id {m!r}")
+        return v
+
+
+SCHEMAS: dict[str, type[Record]] = {
+    "manifest": ManifestRecord,
+    "claim": ClaimRecord,
+    "probe": ProbeRecord,
+    "stash": StashRecord,
+}

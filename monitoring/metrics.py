@@ -104,6 +104,16 @@ class PeerMetrics:
             ["module"],
             registry=r,
         )
+        self.modules_reset = Counter(
+            "pathswarm_modules_reset",
+            "Modules this peer had to start from initial weights although the run had progressed.",
+            registry=r,
+        )
+        self.checkpoint_failures = Counter(
+            "pathswarm_checkpoint_failures",
+            "Checkpoints that could not be written (a full disk); training went on.",
+            registry=r,
+        )
         self.peers_seen = Gauge(
             "pathswarm_peers_seen", "Distinct live peers of this run seen in the DHT.", registry=r
         )
@@ -189,6 +199,12 @@ class PeerMetrics:
                     return
                 self._modules.add(module)
         self.module_holders.labels(module).set(n)
+
+    def module_reset(self) -> None:
+        self.modules_reset.inc()
+
+    def checkpoint_failed(self) -> None:
+        self.checkpoint_failures.inc()
 
     def set_peers_seen(self, n: int) -> None:
         self.peers_seen.set(n)

@@ -161,6 +161,11 @@ class PeerConfig(BaseModel):
     new_swarm: bool = False
     run: str = Field(..., description="NAME or NAME@HASH (pins the manifest's sha256 or a prefix of it)")
     manifest_path: Path | None = Field(None, description="a signed manifest file to verify and publish")
+    #: the creator key a run's manifest must be signed with (hex prefix of its sha256, as shown at join)
+    creator: str | None = Field(None, min_length=MIN_PIN_HEX, max_length=64, pattern=r"^[0-9a-f]+$")
+    #: the folder a run's local data files are read from; required for a run from the swarm that names
+    #: local files, whose patterns then may not leave it
+    data_root: Path | None = None
     path: str | None = Field(None, description="claim this path (index or one module index per level)")
     device: str = "auto"
     batch_size: int = Field(8, ge=1)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from peer.cli.common import Handler, add_swarm_flags, install_sigterm, logger, setup_logging
+from peer.errors import ConfigError
 
 
 def register(subparsers) -> dict[str, Handler]:
@@ -26,6 +27,10 @@ def register(subparsers) -> dict[str, Handler]:
     )
     p.add_argument("--run", default=s, help="run NAME or NAME@HASH")
     p.add_argument("--manifest_path", default=s, help="signed manifest file to verify and publish")
+    p.add_argument(
+        "--creator", default=s, help="refuse a manifest not signed by this creator key (hex prefix)"
+    )
+    p.add_argument("--data_root", default=s, help="folder holding the run's local data files")
     p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
     p.add_argument("--device", default=s, help="auto, cpu or cuda[:N]")
     p.add_argument("--batch_size", type=int, default=s)
@@ -50,6 +55,15 @@ def register(subparsers) -> dict[str, Handler]:
     add_swarm_flags(b)
     b.add_argument(
         "--manifest_path", type=Path, default=None, help="also keep this signed run alive in the DHT"
+    )
+    b.add_argument(
+        "--keep_state",
+        type=Path,
+        default=None,
+        help="keep and serve the latest state of every module of the run here (needs --manifest_path)",
+    )
+    b.add_argument(
+        "--keep_every_seconds", type=float, default=30.0, help="how often kept states are refreshed"
     )
     return {"peer": cmd_peer, "bootstrap": cmd_bootstrap}
 
@@ -78,23 +92,35 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from peer.swarm.manifest import publish_record
 
     setup_logging()
-    record = None
+    manifest = record = None
     if args.manifest_path is not None:
-        _, record = load_verified_manifest(args.manifest_path)
+        manifest, record = load_verified_manifest(args.manifest_path)
+    if args.keep_state is not None and manifest is None:
+        raise ConfigError("--keep_state needs --manifest_path: the keeper must know the run")
     dht, key = start_dht(
         initial_peers=getattr(args, "initial_peers", []),
         host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
         announce_maddrs=getattr(args, "announce_maddrs", []),
         identity_path=getattr(args, "identity_path", None),
+        run_name=manifest.name if manifest is not None else None,
+        run_id=record.run_id if record is not None else None,
     )
+    keeper = None
     stop = threading.Event()
     install_sigterm(stop.set)
     try:
+        if args.keep_state is not None:
+            from peer.swarm.keeper import Keeper
+
+            keeper = Keeper(dht, key, manifest, manifest.name, args.keep_state, args.keep_every_seconds)
+            keeper.start()
         print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)
         while not stop.is_set():
             if record is not None:
                 publish_record(dht, key, record)
             stop.wait(60)
     finally:
+        if keeper is not None:
+            keeper.shutdown()
         dht.shutdown()
     return 0

@@ -60,9 +60,31 @@ def _expand(patterns: list[str]) -> list[str]:
     return files
 
 
-def load_documents(spec: DatasetSpec, cache_dir: str | None = None) -> Iterable[str]:
+def local_files(spec: DatasetSpec, root: Path | None = None) -> list[str]:
+    """The local files a spec names, checked to exist. With `root` (a manifest from the swarm: a
+    stranger chose these patterns), patterns must be relative, stay inside `root`, and are resolved
+    under it, so a run cannot make a volunteer train on files elsewhere on their disk."""
+    if root is None:
+        return _expand(spec.data_files)
+    base = Path(root).expanduser().resolve()
+    if not base.is_dir():
+        raise ConfigError(f"--data_root {root} is not a folder")
+    for pattern in spec.data_files:
+        if Path(pattern).is_absolute() or ".." in Path(pattern).parts or pattern.startswith("~"):
+            raise ConfigError(f"the run's data_files pattern {pattern!r} leaves --data_root: refused")
+    files = _expand([str(base / p) for p in spec.data_files])
+    outside = [f for f in files if not Path(f).resolve().is_relative_to(base)]
+    if outside:
+        raise ConfigError(f"data file {outside[0]} resolves outside --data_root {base}: refused")
+    return files
+
+
+def load_documents(
+    spec: DatasetSpec, cache_dir: str | None = None, root: Path | None = None
+) -> Iterable[str]:
     """The documents of the spec as strings, in a fixed order. Local files are checked and loaded
-    right away (errors surface here, not at the first batch); a hub dataset is streamed lazily."""
+    right away (errors surface here, not at the first batch); a hub dataset is streamed lazily.
+    `root`: see `local_files`."""
     import datasets  # heavy import, kept off the path of modules that only need DatasetSpec
 
     if spec.kind == "builtin":
@@ -71,7 +93,7 @@ def load_documents(spec: DatasetSpec, cache_dir: str | None = None) -> Iterable[
     if spec.kind == "hub":
         ds = datasets.load_dataset(spec.name, split=spec.split, streaming=True, cache_dir=cache_dir)
         return _texts(ds, spec.text_field)
-    files = _expand(spec.data_files)
+    files = local_files(spec, root)
     if not files:
         raise ConfigError(f"data_files {spec.data_files} match only folders, no files")
     ds = datasets.load_dataset(spec.kind, data_files=files, split="train", cache_dir=cache_dir)

@@ -14,7 +14,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.keys import CLAIM_TTL_SECONDS, claims_key
+from dht.keys import CLAIM_TTL_SECONDS, MAX_CLAIMS_PER_RUN, claims_key
 from dht.records import read_records, store_record
 from dht.schema import ClaimRecord
 from peer.model.grid import ModelConfig
@@ -38,7 +38,12 @@ def _read(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, tuple[Clai
     """Unexpired claims (leaving ones included) with their expiry, by peer id; one owner key must
     not speak for several peer ids, so the most advanced record per peer id wins."""
     out: dict[str, tuple[ClaimRecord, float]] = {}
-    for claim, expiry in read_records(dht, claims_key(run_name, run_id), ClaimRecord):
+    records = read_records(dht, claims_key(run_name, run_id), ClaimRecord)
+    if len(records) > MAX_CLAIMS_PER_RUN:
+        # a flood of keys can publish any number of claims: the view keeps a bounded, stable share
+        logger.warning(f"{len(records)} claims in run {run_name}; keeping {MAX_CLAIMS_PER_RUN}")
+        records = sorted(records, key=lambda r: r[0].peer_id)[:MAX_CLAIMS_PER_RUN]
+    for claim, expiry in records:
         previous = out.get(claim.peer_id)
         if previous is None or claim.step >= previous[0].step:
             out[claim.peer_id] = (claim, expiry)

@@ -7,6 +7,7 @@ outlives its creator; a reader accepts only records that verify (`peer.run.recor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -30,10 +31,21 @@ def publish_record(dht: hivemind.DHT, key: RSAPrivateKey, record: ManifestRecord
     return store_record(dht, manifest_key(name), key, record, MANIFEST_TTL_SECONDS)
 
 
+def creator_of(record: ManifestRecord) -> str:
+    """The creator key's fingerprint: sha256 of its public key (shown at join, pinned by --creator)."""
+    return hashlib.sha256(record.creator_public_key).hexdigest()
+
+
 def fetch_manifest(
-    dht: hivemind.DHT, run_name: str, pin: str | None = None, timeout_seconds: float = 15.0
+    dht: hivemind.DHT,
+    run_name: str,
+    pin: str | None = None,
+    timeout_seconds: float = 15.0,
+    creator: str | None = None,
 ) -> tuple[RunManifest, ManifestRecord]:
-    """Finds the one verified manifest for `run_name` (and `pin`), retrying while the DHT warms up."""
+    """Finds the one verified manifest for `run_name` (and `pin`, and `creator`), retrying while the
+    DHT warms up. Anyone can publish a manifest under a name: several candidates are listed with their
+    creators, never chosen between silently."""
     deadline = time.monotonic() + timeout_seconds
     rejected: list[str] = []
     while True:
@@ -50,13 +62,17 @@ def fetch_manifest(
                 if manifest.name != run_name:
                     rejected.append("manifest names another run")
                     continue
-                if pin is None or record.run_id.startswith(pin):
+                pinned = pin is None or record.run_id.startswith(pin)
+                if pinned and (creator is None or creator_of(record).startswith(creator)):
                     candidates[record.run_id] = (manifest, record)
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         if len(candidates) > 1:
-            ids = ", ".join(f"{run_name}@{rid[:16]}" for rid in sorted(candidates))
-            raise SwarmError(f"several runs are named {run_name!r}; pin one with --run: {ids}")
+            ids = ", ".join(
+                f"{run_name}@{rid[:16]} (creator {creator_of(candidates[rid][1])[:16]})"
+                for rid in sorted(candidates)
+            )
+            raise SwarmError(f"several runs are named {run_name!r}; pin one with --run or --creator: {ids}")
         if time.monotonic() > deadline:
             why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""
             pinned = f" with hash {pin}..." if pin else ""

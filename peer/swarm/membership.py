@@ -27,6 +27,7 @@ from peer.model.grid import Path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
 from peer.swarm.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
+from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
 from peer.swarm.probes import (
@@ -114,13 +115,18 @@ class Membership:
         return holders_by_module(self.claims)
 
     def donors(self) -> dict[str, list[tuple[str, int]]]:
-        """(peer id, round) of the other ready holders of each module that can serve their state."""
+        """(peer id, the module's total fragment rounds) of the other ready holders of each module."""
         self.read_claims()
         others = {k: v for k, v in self.claims.items() if k != self.peer_id and not v.client_mode}
         return {
-            mid: [(p, others[p].outer_round) for p in peers]
+            mid: [(p, sum(others[p].module_rounds.get(mid, [0]))) for p in peers]
             for mid, peers in holders_by_module(others, ready_only=True).items()
         }
+
+    def kept(self) -> dict[str, list[tuple[str, int]]]:
+        """(keeper peer id, total fragment rounds) of every module a keeper holds."""
+        with self._lock:
+            return kept_modules(self.dht, self.run_name, self.run_id)
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""

@@ -41,6 +41,11 @@ def state_digest(global_flat: torch.Tensor, momentum: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def module_digest(fragment_digests: list[str]) -> str:
+    """One digest of a module's whole state, from its fragments' digests in order."""
+    return hashlib.sha256("".join(fragment_digests).encode()).hexdigest()
+
+
 class ModuleSync:
     """θ̄ of one module per fragment, its outer momentum and its fragment rounds."""
 
@@ -92,7 +97,7 @@ class ModuleSync:
 
     def module_digest(self) -> str:
         """One digest of the whole module's state (every fragment's digest, in order)."""
-        return hashlib.sha256("".join(self.digest(f) for f in range(self.n_fragments)).encode()).hexdigest()
+        return module_digest([self.digest(f) for f in range(self.n_fragments)])
 
     @torch.no_grad()
     def _outer_step(self, fragment: int, delta: torch.Tensor) -> None:

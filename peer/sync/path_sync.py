@@ -11,7 +11,6 @@ reports show to differ from the group's majority, and keeps the sync state a che
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -31,20 +30,12 @@ from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
 from peer.sync.rounds import RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
-from peer.sync.state_transfer import (
-    StateHistory,
-    confirm_state,
-    digests_of,
-    download_state,
-    install_state_handlers,
-)
+from peer.sync.state_transfer import StateHistory, fetch_confirmed, install_state_handlers
 
 logger = logging.getLogger(__name__)
 
 #: module id -> (peer id, module round) of the other ready holders a joiner may download it from
 Donors = dict[str, list[tuple[str, int]]]
-#: times a download waits for other holders to reach the state it is asked to confirm
-CONFIRM_ATTEMPTS = 4
 
 
 class PathSync:
@@ -144,70 +135,61 @@ class PathSync:
 
     # --- catching up and repairing ------------------------------------------------------------------
 
-    def catch_up(self, donors: Donors, our_round: int) -> None:
-        """Downloads the state of every module that other holders have advanced past `our_round`.
-        Donors are the most advanced holders, ordered by a hash of (us, module, donor), so a joiner's
-        modules come from different peers rather than all from one."""
+    def catch_up(self, donors: Donors, kept: Donors | None = None) -> None:
+        """Downloads the state of every module that its live holders — or, with none, a keeper — have
+        advanced past ours. Donors are the most advanced, ordered by a hash of (us, module, donor), so
+        a joiner's modules come from different peers rather than all from one. A module nobody holds
+        or keeps while the run has made progress elsewhere starts again from its initial weights:
+        that is said loudly and counted, never done silently."""
+        kept = kept or {}
+        progress = any(r > 0 for sources in (*donors.values(), *kept.values()) for _, r in sources)
         for mid, ms in self.syncs.items():
-            candidates = donors.get(mid, [])
-            best = max((r for _, r in candidates), default=0)
-            if best == 0 or best <= our_round:
-                continue  # nobody is ahead of us (round 0: everyone starts from the seeded init)
-            ordered = sorted(candidates, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0])))
-            if self.fetch_state(ms, [p for p, _ in ordered]):
-                logger.info(f"{mid}: caught up to module round {ms.outer_round}")
+            sources = donors.get(mid) or kept.get(mid, [])
+            ours = sum(ms.fragment_rounds)
+            best = max((r for _, r in sources), default=0)
+            if best > ours:
+                ordered = sorted(
+                    sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0]))
+                )
+                kind = "holders" if donors.get(mid) else "keepers"
+                if self.fetch_state(ms, [p for p, _ in ordered]):
+                    logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
+                    continue
+            if not sources and progress and ours == 0:
+                logger.error(
+                    f"{mid}: no peer holds or keeps this module although the run has progressed: it starts "
+                    "again from its initial weights (run a keeper: pathswarm bootstrap --keep_state DIR)"
+                )
+                self.metrics.module_reset()
         self.align()
 
     def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
         """Loads a module's state from the first donor whose state another holder confirms."""
-        timeout = self.manifest.sync.averaging_timeout_seconds
+        sync = self.manifest.sync
         numels = [t.numel() for t in ms.state_tensors()]
-        for donor in donors:
-            try:
-                rounds, tensors = self.service.call(
-                    download_state(self.service, donor, ms.module_id, numels, timeout), timeout + 5
-                )
-            except Exception as e:
-                logger.warning(f"{ms.module_id}: state download from {donor} failed: {type(e).__name__}: {e}")
-                continue
-            digests = digests_of(tensors)
-            confirmers = [d for d in donors if d != donor]
-            if confirmers and not self._confirmed(ms.module_id, rounds, digests, confirmers):
-                logger.warning(f"{ms.module_id}: no other holder confirms the state {donor} sent; refused")
-                self.metrics.bad_part("unconfirmed")
-                continue
-            if not confirmers:
-                logger.warning(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
-            try:
-                ms.load_state(dict(module=ms.module_id, fragment_rounds=rounds), tensors)
-            except StateRejected as e:
-                logger.warning(f"refused the state {donor} sent: {e}")
-                self.metrics.bad_part("shape")
-                continue
-            self._track(ms)
-            return True
-        logger.error(f"{ms.module_id}: no holder sent a confirmed state; going on with our own copy")
-        return False
-
-    def _confirmed(self, module: str, rounds: list[int], digests: list[str], confirmers: list[str]) -> bool:
-        """True once more confirmers say "this was my state" than "my state at those rounds differs";
-        holders a little behind are asked again a few times."""
-        timeout = self.manifest.sync.report_timeout_seconds
-
-        async def ask():
-            return await asyncio.gather(
-                *(confirm_state(self.service, c, module, rounds, digests, timeout) for c in confirmers)
-            )
-
-        for attempt in range(CONFIRM_ATTEMPTS):
-            answers = self.service.call(ask(), timeout + 5)
-            yes, no = answers.count(True), answers.count(False)
-            if yes > no:
-                return True
-            if no > yes:
-                return False
-            self.service.call(asyncio.sleep(0.5 * (attempt + 1)))
-        return False
+        coro = fetch_confirmed(
+            self.service,
+            ms.module_id,
+            numels,
+            donors,
+            sync.averaging_timeout_seconds,
+            sync.report_timeout_seconds,
+        )
+        got = self.service.call(coro, (sync.averaging_timeout_seconds + 30) * max(1, len(donors)))
+        if got is None:
+            logger.error(f"{ms.module_id}: no holder sent a confirmed state; going on with our own copy")
+            return False
+        donor, rounds, tensors, was_confirmed = got
+        if not was_confirmed:
+            logger.warning(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
+        try:
+            ms.load_state(dict(module=ms.module_id, fragment_rounds=rounds), tensors)
+        except StateRejected as e:
+            logger.warning(f"refused the state {donor} sent: {e}")
+            self.metrics.bad_part("shape")
+            return False
+        self._track(ms)
+        return True
 
     def fingerprints(self) -> dict[str, str]:
         """Each module's state digest (what the claim publishes; equal on holders in step)."""

@@ -173,8 +173,9 @@ class RoundRunner:
 
     async def _send(self, member: str, frames, deadline: float, failed: dict, inbox, key: Key) -> None:
         """Delivers `frames` to `member` before `deadline`. A member that refuses because the round is
-        ahead of its own is behind us and fetching state: it is offered the frames again until the
-        deadline. One that refuses because the round is over for it is ahead of us ("ahead")."""
+        ahead of its own (it is behind us, fetching state) or because it does not know us as a holder
+        yet is offered the frames again until the deadline. One that refuses because the round is
+        over for it is ahead of us ("ahead")."""
         loop = asyncio.get_running_loop()
         while True:
             remaining = deadline - loop.time()
@@ -185,7 +186,10 @@ class RoundRunner:
                 break
             if ack.ok:
                 break
-            if ack.reason.startswith("ahead") and deadline - loop.time() > RETRY_SECONDS:
+            # "ahead": the member is behind and catching up; "not_holder": its claim view has not seen
+            # our claim yet (it refreshes every heartbeat): both will take our Δ in a moment
+            waiting = ack.reason.startswith(("ahead", "not_holder"))
+            if waiting and deadline - loop.time() > RETRY_SECONDS:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
             failed[member] = "ahead" if ack.reason.startswith("stale") else f"refused ({ack.reason})"

@@ -142,3 +142,57 @@ async def confirm_state(
     if ack.ok:
         return True
     return False if ack.reason == "different" else None
+
+
+#: times a download waits for other holders to reach the state it is asked to confirm
+CONFIRM_ATTEMPTS = 4
+
+
+async def confirmed(
+    service: SyncService,
+    module: str,
+    rounds: list[int],
+    digests: list[str],
+    confirmers: list[str],
+    timeout: float,
+) -> bool:
+    """True once more confirmers say "this was my state" than "my state at those rounds differs";
+    holders a little behind are asked again a few times."""
+    for attempt in range(CONFIRM_ATTEMPTS):
+        answers = await asyncio.gather(
+            *(confirm_state(service, c, module, rounds, digests, timeout) for c in confirmers)
+        )
+        yes, no = answers.count(True), answers.count(False)
+        if yes > no:
+            return True
+        if no > yes:
+            return False
+        await asyncio.sleep(0.5 * (attempt + 1))
+    return False
+
+
+async def fetch_confirmed(
+    service: SyncService,
+    module: str,
+    numels: list[int],
+    donors: list[str],
+    timeout: float,
+    confirm_timeout: float,
+) -> tuple[str, list[int], list[torch.Tensor], bool] | None:
+    """A module's state from the first donor that sends one that another holder confirms (or from a
+    donor with nobody else to ask: `confirmed` is then False). Returns (donor, rounds, tensors,
+    confirmed), or None."""
+    for donor in donors:
+        try:
+            rounds, tensors = await download_state(service, donor, module, numels, timeout)
+        except Exception as e:
+            logger.warning(f"{module}: state download from {donor} failed: {type(e).__name__}: {e}")
+            continue
+        confirmers = [d for d in donors if d != donor]
+        if not confirmers:
+            return donor, rounds, tensors, False
+        if await confirmed(service, module, rounds, digests_of(tensors), confirmers, confirm_timeout):
+            return donor, rounds, tensors, True
+        logger.warning(f"{module}: no other holder confirms the state {donor} sent; refused")
+        service.refused["unconfirmed"] += 1
+    return None

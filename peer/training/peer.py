@@ -23,10 +23,10 @@ from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
-from peer.checkpoint import load_latest_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
-from peer.data.sources import load_documents
+from peer.data.sources import load_documents, local_files
 from peer.errors import ConfigError
 from peer.faults import fault_point
 from peer.model.grid import parse_path, path_index, path_module_ids
@@ -34,7 +34,7 @@ from peer.model.transformer import PathModel
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
-from peer.swarm.manifest import fetch_manifest, publish_record
+from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
 from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
@@ -88,6 +88,7 @@ class Peer:
         self.run_id = record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         self.tokenizer = check_tokenizer(self.manifest)
+        self._check_data()
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
@@ -108,7 +109,7 @@ class Peer:
         if resumed is not None:
             self._restore(*resumed)
         self.sync.start(self.dht, self.membership.is_holder)
-        self.sync.catch_up(self.membership.donors(), self.outer_round)
+        self.sync.catch_up(self.membership.donors(), self.membership.kept())
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         self._start_data()
         if cfg.metrics_port is not None:
@@ -133,10 +134,26 @@ class Peer:
             _, record = load_verified_manifest(cfg.manifest_path, cfg.run_name, pin)
             publish_record(self.dht, self.key, record)
             pin = record.run_id
-        manifest, record = fetch_manifest(self.dht, cfg.run_name, pin)
-        logger.info(f"joined run {cfg.run_name}@{record.run_id[:16]} as {self.peer_id}")
+        manifest, record = fetch_manifest(self.dht, cfg.run_name, pin, creator=cfg.creator)
+        logger.info(
+            f"joined run {cfg.run_name}@{record.run_id[:16]} (created by key {creator_of(record)[:16]}) "
+            f"as {self.peer_id}"
+        )
         publish_record(self.dht, self.key, record)
         return manifest, record
+
+    def _check_data(self) -> None:
+        """Finds the run's data before anything is claimed. A run from the swarm that names local
+        files is read only under --data_root (a stranger chose its patterns)."""
+        spec, cfg = self.manifest.dataset, self.config
+        self._data_root = cfg.data_root
+        if spec.kind in ("text", "json", "parquet"):
+            if cfg.manifest_path is None and cfg.data_root is None:
+                raise ConfigError(
+                    f"run {cfg.run_name} trains on local files {spec.data_files}: every peer needs a copy; "
+                    "give --data_root DIR of yours that holds them"
+                )
+            local_files(spec, self._data_root)
 
     def _load_checkpoint(self):
         loaded = load_latest_checkpoint(self.config.checkpoint_dir)
@@ -167,7 +184,7 @@ class Peer:
     def _start_data(self) -> None:
         m = self.manifest
         batches = PathBatches(
-            load_documents(m.dataset),
+            load_documents(m.dataset, root=self._data_root),
             make_route(m),
             path_index(m.model, self.path),
             self.tokenizer,
@@ -246,7 +263,12 @@ class Peer:
             self.config.checkpoint_dir is not None
             and self.outer_round % self.config.checkpoint_every_rounds == 0
         ):
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except CheckpointError as e:
+                # a full disk must not stop the training: the last good checkpoint stays, we retry next round
+                logger.error(f"checkpoint failed, training goes on: {e}")
+                self.metrics.checkpoint_failed()
         self.membership.publish_claim()
 
     # --- checkpoints and shutdown ---------------------------------------------------------------

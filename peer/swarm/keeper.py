@@ -1,0 +1,159 @@
+"""Keeping the last copy of every module: a run outlives the peers that trained it.
+
+A `Keeper` (`pathswarm bootstrap --manifest_path M --keep_state DIR`) holds no path. Every
+`interval` it reads the run's claims and, for each module some ready holder has advanced past the
+kept copy, downloads that holder's state and keeps it only once another holder confirms its digest
+(`peer.sync.state_transfer`; a module with a single holder is kept unconfirmed). Kept states are
+written atomically to DIR (so a restarted keeper resumes), announced in a signed `StashRecord`, and
+served like a holder's. A joiner that finds no live holder of a module takes it from a keeper before
+it would ever start the module again from its initial weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.keys import STASH_TTL_SECONDS, stash_key
+from dht.records import read_records, store_record
+from dht.schema import KeptModule, StashRecord
+from peer.checkpoint import load_latest_checkpoint, save_checkpoint
+from peer.codecs.formats import make_codec
+from peer.config import RunManifest
+from peer.model.grid import all_module_ids
+from peer.model.transformer import build_module_shape_only
+from peer.swarm.claims import ClaimView, holders_by_module
+from peer.sync.fragments import FragmentPlan
+from peer.sync.inbox import Inbox
+from peer.sync.module_sync import module_digest
+from peer.sync.service import SyncService
+from peer.sync.state_transfer import StateHistory, digests_of, fetch_confirmed, install_state_handlers
+
+logger = logging.getLogger(__name__)
+
+
+def state_numels(manifest: RunManifest, module_id: str) -> list[int]:
+    """Sizes of a module's state tensors: θ̄ per fragment, then momentum per fragment."""
+    cfg, n = manifest.model, manifest.sync.fragments
+    with torch.device("meta"):
+        named = list(build_module_shape_only(cfg, module_id).named_parameters())
+    plan = FragmentPlan(cfg, module_id, [k for k, _ in named], [p.shape for _, p in named], n)
+    sizes = [plan.size(f) for f in range(n)]
+    return sizes + sizes
+
+
+def kept_modules(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, list[tuple[str, int]]]:
+    """module -> (keeper peer id, total fragment rounds kept) from the keepers' stash records."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for record, _ in read_records(dht, stash_key(run_name, run_id), StashRecord):
+        for mid, kept in record.modules.items():
+            out.setdefault(mid, []).append((record.peer_id, sum(kept.fragment_rounds)))
+    return out
+
+
+class Keeper:
+    """Downloads, stores, announces and serves the latest confirmed state of every module."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        key: RSAPrivateKey,
+        manifest: RunManifest,
+        run_name: str,
+        directory: Path,
+        interval_seconds: float = 30.0,
+    ):
+        self.dht, self.key, self.manifest, self.run_name = dht, key, manifest, run_name
+        self.run_id = manifest.run_id
+        self.directory = Path(directory)
+        self.interval = interval_seconds
+        self.peer_id = str(dht.peer_id)
+        self.states: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        self.history = StateHistory()
+        self._claims = ClaimView(run_name, self.run_id)
+        self._stop = threading.Event()
+        self._load()
+        inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0)  # takes no rounds
+        self.service = SyncService(dht, self.run_id, inbox, manifest.sync.averaging_timeout_seconds + 30)
+        install_state_handlers(self.service, self.states.get, self.history)
+        self._thread = threading.Thread(target=self._loop, name="keeper", daemon=True)
+
+    def _load(self) -> None:
+        for mid in all_module_ids(self.manifest.model):
+            loaded = load_latest_checkpoint(self.directory / mid)
+            if loaded is None:
+                continue
+            tensors, meta = loaded
+            if meta.get("run_id") != self.run_id:
+                continue
+            self._keep(
+                mid, list(meta["fragment_rounds"]), [tensors[f"t{i}"] for i in range(len(tensors))], False
+            )
+        if self.states:
+            logger.info(f"keeper: resumed {len(self.states)} kept module states from {self.directory}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception as e:  # the keeper must keep going whatever one pass met
+                logger.warning(f"keeper pass failed: {type(e).__name__}: {e}")
+            self._stop.wait(self.interval)
+
+    def refresh(self) -> int:
+        """One pass over the modules; returns how many kept states advanced."""
+        claims = self._claims.update(self.dht)
+        holders = holders_by_module({p: c for p, c in claims.items() if not c.client_mode})
+        advanced = 0
+        for mid, peers in sorted(holders.items()):
+            kept = sum(self.states[mid][0]) if mid in self.states else -1
+            ahead = [p for p in peers if sum(claims[p].module_rounds.get(mid, [0])) > kept]
+            if not ahead:
+                continue
+            ahead.sort(key=lambda p: -sum(claims[p].module_rounds.get(mid, [0])))
+            sync = self.manifest.sync
+            coro = fetch_confirmed(
+                self.service, mid, state_numels(self.manifest, mid), ahead,
+                sync.averaging_timeout_seconds, sync.report_timeout_seconds,
+            )  # fmt: skip
+            got = self.service.call(coro, (sync.averaging_timeout_seconds + 30) * len(ahead))
+            if got is not None and sum(got[1]) > kept:
+                self._keep(mid, got[1], got[2], True)
+                advanced += 1
+        if self.states:
+            self.publish()  # also renews the record's TTL
+        return advanced
+
+    def _keep(self, mid: str, rounds: list[int], tensors: list[torch.Tensor], save: bool) -> None:
+        if not all(torch.isfinite(t).all() for t in tensors):
+            logger.warning(f"keeper: refused a state of {mid} with NaN or inf")
+            return
+        self.states[mid] = (rounds, tensors)
+        self.history.record(mid, rounds, digests_of(tensors))
+        if save:
+            meta = dict(step=sum(rounds), run_id=self.run_id, module=mid, fragment_rounds=rounds)
+            save_checkpoint(self.directory / mid, {f"t{i}": t for i, t in enumerate(tensors)}, meta, keep=1)
+
+    def publish(self) -> bool:
+        modules = {
+            mid: KeptModule(fragment_rounds=rounds, digest=module_digest(digests_of(tensors)))
+            for mid, (rounds, tensors) in self.states.items()
+        }
+        record = StashRecord(peer_id=self.peer_id, modules=modules)
+        return store_record(
+            self.dht, stash_key(self.run_name, self.run_id), self.key, record, STASH_TTL_SECONDS
+        )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.service.shutdown()
