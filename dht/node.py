@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
@@ -68,11 +70,27 @@ def start_dht(
             initial_peers=initial_peers or None, start=True, record_validators=validators, **kwargs
         )
     except Exception as e:
-        hint = " (is the bootstrap peer running and reachable?)" if initial_peers else ""
-        raise SwarmError(
-            f"could not start the DHT node: {str(e).splitlines()[0] if str(e) else repr(e)}{hint}"
-        ) from e
+        raise SwarmError(_start_failure(e, bool(initial_peers))) from e
     return dht, key
+
+
+_CLOCK_MISMATCH = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
+
+
+def _start_failure(e: Exception, had_initial_peers: bool) -> str:
+    text = str(e).splitlines()[0] if str(e) else repr(e)
+    skew = _CLOCK_MISMATCH.search(" ".join(text.split()))
+    if skew:
+        # hivemind's DHT refuses a node whose clock is off the bootstrap peer's by more than
+        # MAX_DHT_TIME_DISCREPANCY_SECONDS: the honest fix is the clock, not a looser check
+        offset = float(skew.group(1)) - float(skew.group(2))
+        return (
+            f"could not start the DHT node: this machine's clock is {offset:+.1f} s off the "
+            f"bootstrap peer's, and the DHT accepts at most {MAX_DHT_TIME_DISCREPANCY_SECONDS} s: "
+            "synchronise the clock (e.g. `timedatectl set-ntp true`) and start again"
+        )
+    hint = " (is the bootstrap peer running and reachable?)" if had_initial_peers else ""
+    return f"could not start the DHT node: {text}{hint}"
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -9,72 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 from safetensors.torch import load_file
 
 from dht.node import start_dht
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
-from peer.config import InnerOptimizerConfig, SyncConfig
-from peer.data.sources import DatasetSpec
-from peer.model.grid import ModelConfig
-from peer.run.create import build_manifest
-from peer.run.record import save_record, sign_manifest
 from peer.swarm.claims import live_claims
-
-RUN = "swarmtest"
-
-
-def write_manifest(folder: Path, inner_steps: int = 10, fragments: int = 1) -> tuple[Path, str]:
-    """A tiny signed run (2x2 grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`."""
-    manifest = build_manifest(
-        RUN,
-        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64),
-        DatasetSpec(kind="builtin", builtin_docs=400),
-        seq_len=32,
-        inner_steps=inner_steps,
-        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
-        sync=SyncConfig(fragments=fragments, averaging_timeout_seconds=10.0),
-        router_docs=200,
-    )
-    record = sign_manifest(manifest, RSAPrivateKey())
-    path = folder / "manifest.json"
-    save_record(record, path)
-    return path, record.run_id
+from tests.swarm_harness import RUN, peer_args, wait_for, write_manifest
 
 
 @pytest.fixture(scope="module")
 def manifest_file(tmp_path_factory) -> tuple[Path, str]:
     return write_manifest(tmp_path_factory.mktemp("run"))
-
-
-def peer_args(run_id: str, ckpt: Path, *extra: str) -> list[str]:
-    return [
-        "--run",
-        f"{RUN}@{run_id[:16]}",
-        "--checkpoint_dir",
-        str(ckpt),
-        "--torch_threads",
-        "1",
-        "--batch_size",
-        "4",
-        "--heartbeat_seconds",
-        "1",
-        *extra,
-    ]
-
-
-def wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    logs = ""
-    if swarm is not None:
-        logs = "\n".join(f"--- {n}\n" + swarm.log_path(n).read_text()[-1500:] for n in swarm.procs)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
 def rounds_in_log(log: str) -> list[str]:

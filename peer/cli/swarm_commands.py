@@ -106,18 +106,22 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         run_id=record.run_id if record is not None else None,
     )
     keeper = None
+    dht_lock = threading.Lock()  # the keeper's thread and this one share the DHT handle
     stop = threading.Event()
     install_sigterm(stop.set)
     try:
         if args.keep_state is not None:
             from peer.swarm.keeper import Keeper
 
-            keeper = Keeper(dht, key, manifest, manifest.name, args.keep_state, args.keep_every_seconds)
+            keeper = Keeper(
+                dht, key, manifest, manifest.name, args.keep_state, args.keep_every_seconds, dht_lock
+            )
             keeper.start()
         print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)
         while not stop.is_set():
             if record is not None:
-                publish_record(dht, key, record)
+                with dht_lock:
+                    publish_record(dht, key, record)
             stop.wait(60)
     finally:
         if keeper is not None:

@@ -11,6 +11,7 @@ it would ever start the module again from its initial weights.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -28,11 +29,13 @@ from peer.config import RunManifest
 from peer.model.grid import all_module_ids
 from peer.model.transformer import build_module_shape_only
 from peer.swarm.claims import ClaimView, holders_by_module
+from peer.sync import wire
 from peer.sync.fragments import FragmentPlan
 from peer.sync.inbox import Inbox
 from peer.sync.module_sync import module_digest
 from peer.sync.service import SyncService
 from peer.sync.state_transfer import StateHistory, digests_of, fetch_confirmed, install_state_handlers
+from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +51,11 @@ def state_numels(manifest: RunManifest, module_id: str) -> list[int]:
 
 
 def kept_modules(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, list[tuple[str, int]]]:
-    """module -> (keeper peer id, total fragment rounds kept) from the keepers' stash records."""
-    out: dict[str, list[tuple[str, int]]] = {}
+    """module -> (keeper peer id, total fragment rounds kept) from the keepers' stash records; the
+    keepers themselves under the key "" (a keeper that holds nothing yet announces itself too)."""
+    out: dict[str, list[tuple[str, int]]] = {"": []}
     for record, _ in read_records(dht, stash_key(run_name, run_id), StashRecord):
+        out[""].append((record.peer_id, 0))
         for mid, kept in record.modules.items():
             out.setdefault(mid, []).append((record.peer_id, sum(kept.fragment_rounds)))
     return out
@@ -67,20 +72,27 @@ class Keeper:
         run_name: str,
         directory: Path,
         interval_seconds: float = 30.0,
+        dht_lock: threading.Lock | None = None,
     ):
+        """`dht_lock`: held around every DHT call, shared with other threads using the same node
+        (hivemind's DHT handle must not be called from two threads at once)."""
         self.dht, self.key, self.manifest, self.run_name = dht, key, manifest, run_name
         self.run_id = manifest.run_id
         self.directory = Path(directory)
         self.interval = interval_seconds
         self.peer_id = str(dht.peer_id)
+        self.numels = {mid: state_numels(manifest, mid) for mid in all_module_ids(manifest.model)}
         self.states: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self.history = StateHistory()
         self._claims = ClaimView(run_name, self.run_id)
+        self._dht_lock = dht_lock or threading.Lock()
         self._stop = threading.Event()
         self._load()
         inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0)  # takes no rounds
         self.service = SyncService(dht, self.run_id, inbox, manifest.sync.averaging_timeout_seconds + 30)
         install_state_handlers(self.service, self.states.get, self.history)
+        self.service.extra_handlers[Kind.KEEP] = self._on_keep
+        self._keeping: set[str] = set()  # modules being fetched on a leaving holder's request
         self._thread = threading.Thread(target=self._loop, name="keeper", daemon=True)
 
     def _load(self) -> None:
@@ -98,6 +110,7 @@ class Keeper:
             logger.info(f"keeper: resumed {len(self.states)} kept module states from {self.directory}")
 
     def start(self) -> None:
+        self.publish()  # peers learn there is a keeper even before it keeps anything
         self._thread.start()
 
     def _loop(self) -> None:
@@ -110,7 +123,8 @@ class Keeper:
 
     def refresh(self) -> int:
         """One pass over the modules; returns how many kept states advanced."""
-        claims = self._claims.update(self.dht)
+        with self._dht_lock:
+            claims = self._claims.update(self.dht)
         holders = holders_by_module({p: c for p, c in claims.items() if not c.client_mode})
         advanced = 0
         for mid, peers in sorted(holders.items()):
@@ -121,16 +135,45 @@ class Keeper:
             ahead.sort(key=lambda p: -sum(claims[p].module_rounds.get(mid, [0])))
             sync = self.manifest.sync
             coro = fetch_confirmed(
-                self.service, mid, state_numels(self.manifest, mid), ahead,
+                self.service, mid, self.numels[mid], ahead,
                 sync.averaging_timeout_seconds, sync.report_timeout_seconds,
             )  # fmt: skip
             got = self.service.call(coro, (sync.averaging_timeout_seconds + 30) * len(ahead))
             if got is not None and sum(got[1]) > kept:
                 self._keep(mid, got[1], got[2], True)
                 advanced += 1
-        if self.states:
-            self.publish()  # also renews the record's TTL
+        if not self.publish():  # also renews the record's TTL
+            logger.warning("keeper: could not publish what it keeps")
         return advanced
+
+    async def _on_keep(self, sender: str, body: bytes, reader, writer) -> None:
+        """A leaving holder's request: fetch its state now (one such fetch per module at a time)."""
+        request = wire.parse(wire.Keep, body)
+        ok = False
+        if (
+            request.run == self.service.run
+            and request.module in self.numels
+            and request.module not in self._keeping
+        ):
+            self._keeping.add(request.module)
+            try:
+                sync = self.manifest.sync
+                got = await fetch_confirmed(
+                    self.service, request.module, self.numels[request.module], [sender],
+                    sync.averaging_timeout_seconds, sync.report_timeout_seconds,
+                )  # fmt: skip
+                kept = sum(self.states[request.module][0]) if request.module in self.states else -1
+                if got is not None and sum(got[1]) >= kept:
+
+                    def keep_and_announce() -> None:
+                        self._keep(request.module, got[1], got[2], True)
+                        self.publish()
+
+                    await asyncio.get_running_loop().run_in_executor(None, keep_and_announce)
+                    ok = True
+            finally:
+                self._keeping.discard(request.module)
+        await wire.write(writer, wire.pack_header(Kind.ACK, wire.Ack(ok=ok, reason="" if ok else "not kept")))
 
     def _keep(self, mid: str, rounds: list[int], tensors: list[torch.Tensor], save: bool) -> None:
         if not all(torch.isfinite(t).all() for t in tensors):
@@ -138,6 +181,7 @@ class Keeper:
             return
         self.states[mid] = (rounds, tensors)
         self.history.record(mid, rounds, digests_of(tensors))
+        logger.info(f"keeper: {mid} kept at fragment rounds {rounds}")
         if save:
             meta = dict(step=sum(rounds), run_id=self.run_id, module=mid, fragment_rounds=rounds)
             save_checkpoint(self.directory / mid, {f"t{i}": t for i, t in enumerate(tensors)}, meta, keep=1)
@@ -148,9 +192,10 @@ class Keeper:
             for mid, (rounds, tensors) in self.states.items()
         }
         record = StashRecord(peer_id=self.peer_id, modules=modules)
-        return store_record(
-            self.dht, stash_key(self.run_name, self.run_id), self.key, record, STASH_TTL_SECONDS
-        )
+        with self._dht_lock:
+            return store_record(
+                self.dht, stash_key(self.run_name, self.run_id), self.key, record, STASH_TTL_SECONDS
+            )
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -126,7 +126,18 @@ class Membership:
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """(keeper peer id, total fragment rounds) of every module a keeper holds."""
         with self._lock:
-            return kept_modules(self.dht, self.run_name, self.run_id)
+            kept = kept_modules(self.dht, self.run_name, self.run_id)
+        kept.pop("", None)
+        return kept
+
+    def keepers(self) -> list[str]:
+        with self._lock:
+            return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id)[""]]
+
+    def modules_only_we_hold(self) -> list[str]:
+        """Modules of our path no other ready peer holds (we are their last holder)."""
+        others = holders_by_module({p: c for p, c in self.claims.items() if p != self.peer_id})
+        return [m for m in path_module_ids(self.manifest.model, self.path) if not others.get(m)]
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""

@@ -24,6 +24,7 @@ from peer.config import RunManifest
 from peer.model.grid import TRUNK, all_paths, path_module_ids
 from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
+from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import Inbox
 from peer.sync.module_sync import ModuleSync, StateRejected
@@ -31,6 +32,7 @@ from peer.sync.outer import GroupOf, StreamingOuter
 from peer.sync.rounds import RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
 from peer.sync.state_transfer import StateHistory, fetch_confirmed, install_state_handlers
+from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -138,30 +140,49 @@ class PathSync:
     def catch_up(self, donors: Donors, kept: Donors | None = None) -> None:
         """Downloads the state of every module that its live holders — or, with none, a keeper — have
         advanced past ours. Donors are the most advanced, ordered by a hash of (us, module, donor), so
-        a joiner's modules come from different peers rather than all from one. A module nobody holds
-        or keeps while the run has made progress elsewhere starts again from its initial weights:
-        that is said loudly and counted, never done silently."""
+        a joiner's modules come from different peers rather than all from one. A module whose holders
+        and keepers all fail to send it starts again from its initial weights: that is said loudly and
+        counted, never done silently."""
         kept = kept or {}
-        progress = any(r > 0 for sources in (*donors.values(), *kept.values()) for _, r in sources)
         for mid, ms in self.syncs.items():
             sources = donors.get(mid) or kept.get(mid, [])
             ours = sum(ms.fragment_rounds)
             best = max((r for _, r in sources), default=0)
-            if best > ours:
-                ordered = sorted(
-                    sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0]))
-                )
-                kind = "holders" if donors.get(mid) else "keepers"
-                if self.fetch_state(ms, [p for p, _ in ordered]):
-                    logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
-                    continue
-            if not sources and progress and ours == 0:
+            if best <= ours:
+                continue
+            ordered = sorted(sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0])))
+            kind = "holders" if donors.get(mid) else "keepers"
+            if self.fetch_state(ms, [p for p, _ in ordered]):
+                logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
+            elif ours == 0:
                 logger.error(
-                    f"{mid}: no peer holds or keeps this module although the run has progressed: it starts "
-                    "again from its initial weights (run a keeper: pathswarm bootstrap --keep_state DIR)"
+                    f"{mid}: its {kind} are at round {best} but none sent a state: no peer holds or keeps "
+                    "this module, and it starts again from its initial weights (a run keeps its modules "
+                    "with a keeper: pathswarm bootstrap --keep_state DIR)"
                 )
                 self.metrics.module_reset()
         self.align()
+
+    def hand_over(self, modules: list[str], keepers: list[str]) -> None:
+        """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits."""
+        timeout = self.manifest.sync.averaging_timeout_seconds + 30
+
+        async def ask(module: str, keeper: str) -> bool:
+            request = wire.Keep(run=self.service.run, module=module)
+            try:
+                return (
+                    await self.service.request(keeper, [wire.pack_header(Kind.KEEP, request)], timeout)
+                ).ok
+            except Exception as e:
+                logger.warning(f"{module}: keeper {keeper} did not take our state: {type(e).__name__}: {e}")
+                return False
+
+        for module in modules:
+            taken = [k for k in keepers if self.service.call(ask(module, k), timeout + 5)]
+            if taken:
+                logger.info(f"{module}: we were its last holder; keeper {taken[0]} took our state")
+            else:
+                logger.warning(f"{module}: we were its last holder and no keeper took our state")
 
     def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
         """Loads a module's state from the first donor whose state another holder confirms."""

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     CONFIRM = 5  # Confirm; answered with an ACK whose `ok` says whether the digest matches
     PAYLOAD = 6
     ACK = 7
+    KEEP = 8  # Keep: "take my state of this module now" (a last holder leaving); answered with an ACK
 
 
 class WireError(ValueError):
@@ -120,6 +121,12 @@ class Confirm(Header):
     module: str = Field(max_length=16)
     fragment_rounds: list[int] = Field(max_length=64)
     digests: list[str] = Field(max_length=64)
+
+
+class Keep(Header):
+    """A holder about to leave asks a keeper to take its state of `module` before it goes."""
+
+    module: str = Field(max_length=16)
 
 
 class Ack(BaseModel):

@@ -322,6 +322,13 @@ class Peer:
                 self.checkpoint()
         except Exception as e:
             logger.error(f"final checkpoint failed: {e}")
+        if self.membership is not None and self.sync is not None and self.sync.service is not None:
+            try:  # the last holder of a module hands it to the run's keepers before it goes
+                last, keepers = self.membership.modules_only_we_hold(), self.membership.keepers()
+                if last and keepers:
+                    self.sync.hand_over(last, keepers)
+            except Exception as e:
+                logger.warning(f"handing our modules over to the keepers failed: {type(e).__name__}: {e}")
         if self.membership is not None:
             self.membership.leave()
         if self.sync is not None:

@@ -1,0 +1,90 @@
+"""Helpers for tests that run swarms of real `pathswarm` processes on loopback."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.checkpoint import list_checkpoints, load_latest_checkpoint
+from peer.cli.local_swarm import LocalSwarm
+from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.data.sources import DatasetSpec
+from peer.model.grid import ModelConfig
+from peer.run.create import build_manifest
+from peer.run.record import save_record, sign_manifest
+
+RUN = "swarmtest"
+
+
+def write_manifest(
+    folder: Path,
+    inner_steps: int = 10,
+    fragments: int = 1,
+    grid: tuple[int, int] = (2, 2),
+    **sync: object,
+) -> tuple[Path, str]:
+    """A tiny signed run (an LxK grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`."""
+    levels, k = grid
+    manifest = build_manifest(
+        RUN,
+        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=levels, modules_per_level=k),
+        DatasetSpec(kind="builtin", builtin_docs=400),
+        seq_len=32,
+        inner_steps=inner_steps,
+        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
+        sync=SyncConfig(fragments=fragments, **{"averaging_timeout_seconds": 10.0, **sync}),
+        router_docs=200,
+    )
+    record = sign_manifest(manifest, RSAPrivateKey())
+    path = folder / "manifest.json"
+    save_record(record, path)
+    return path, record.run_id
+
+
+def peer_args(run_id: str, ckpt: Path, *extra: str) -> list[str]:
+    return ["--run", f"{RUN}@{run_id[:16]}", "--checkpoint_dir", str(ckpt), "--torch_threads", "1",
+            "--batch_size", "4", "--heartbeat_seconds", "1", *extra]  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    logs = ""
+    if swarm is not None:
+        logs = "\n".join(f"--- {n}\n" + swarm.log_path(n).read_text()[-1500:] for n in swarm.procs)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def final_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    loaded = load_latest_checkpoint(ckpt)
+    assert loaded is not None, f"no checkpoint in {ckpt}"
+    return loaded
+
+
+def shared_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What holders of a module must agree on bit for bit: global copies and outer momenta."""
+    return {k: v for k, v in tensors.items() if "/global/" in k or "/momentum/" in k}
+
+
+def states_by_round(ckpt: Path) -> dict[int, Path]:
+    """Complete checkpoints of a peer by its outer round (needs --keep_checkpoints large)."""
+    out = {}
+    for info in list_checkpoints(ckpt):
+        if info.complete:
+            out.setdefault(info.manifest["meta"]["outer_round"], info.path)
+    return out
+
+
+def outcomes(meta: dict) -> list[dict[str, str]]:
+    return [entry["outcomes"] for entry in meta.get("history", [])]
+
+
+def logs_of(swarm: LocalSwarm, *names: str) -> str:
+    return "\n".join(f"--- {n}\n{swarm.log_path(n).read_text()[-3000:]}" for n in names)
