@@ -22,7 +22,8 @@ from peer.data.sources import DatasetSpec
 from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
-MANIFEST_FORMAT_VERSION = 2
+#: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
+MANIFEST_FORMAT_VERSION = 3
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
 MIN_PIN_HEX = 16
 
@@ -62,7 +63,13 @@ class SyncConfig(_Frozen):
     codec: str = "fp32"
     fragments: int = Field(1, ge=1, le=64, description="P: fragments per module, synced H/P steps apart")
     overlap_steps: int = Field(0, ge=0, description="τ: inner steps a fragment sync may overlap")
-    mixing_alpha: float = Field(0.5, ge=0, le=1, description="α: weight of the local copy when merging")
+    #: α, the local copy's weight when a fragment's outer step is merged in, for every τ (arXiv
+    #: 2501.18512's θ_local ← α·θ_local + (1−α)·θ̃); unset: 0.5 (the paper's) when τ > 0, else 0,
+    #: which is plain DiLoCo's replacement
+    mixing_alpha: float | None = Field(None, ge=0, le=1, validate_default=True)
+    #: sparse codecs: the unsent rest of earlier outer gradients is added to the next one times this
+    #: (error feedback with decay, as SparseLoCo; 1 keeps all of it)
+    error_feedback_decay: float = Field(0.95, gt=0, le=1)
     #: how long a round waits for every member's outer gradient before averaging without the missing
     averaging_timeout_seconds: float = Field(60.0, gt=0)
     #: how long a member waits for the others' reports of a round (they are small and sent at once)
@@ -80,6 +87,13 @@ class SyncConfig(_Frozen):
     max_group_size: int = Field(0, ge=0)
     #: most senders one round accepts (a bound on memory, whatever a flood of claims says)
     max_round_senders: int = Field(32, ge=2, le=256)
+
+    @field_validator("mixing_alpha")
+    @classmethod
+    def _default_alpha(cls, v: float | None, info) -> float:
+        if v is not None:
+            return v
+        return 0.5 if info.data.get("overlap_steps", 0) > 0 else 0.0
 
     @field_validator("codec")
     @classmethod
@@ -125,6 +139,16 @@ class RunManifest(_Frozen):
     @classmethod
     def _name(cls, v: str) -> str:
         return check_run_name(v)
+
+    @field_validator("format_version")
+    @classmethod
+    def _format(cls, v: int) -> int:
+        if v != MANIFEST_FORMAT_VERSION:
+            raise ValueError(
+                f"manifest format {v} is not this pathswarm's ({MANIFEST_FORMAT_VERSION}): "
+                "use the pathswarm version the run was created with, or create the run again"
+            )
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> RunManifest:

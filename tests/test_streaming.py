@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -108,6 +109,46 @@ def test_alpha_one_equals_no_communication():
     assert all(r > 0 for ms in syncs.values() for r in ms.fragment_rounds)  # syncs did happen
 
 
+# θ − θ₀ (local) and θ̄ − θ₀ (global) of each fragment after 12 inner steps of a lone peer: every
+# parameter's gradient is 1 and the inner lr 1, outer SGD lr 2 without momentum, H = 6, P = 2 (fragment
+# 0 syncs at steps 6 and 12, fragment 1 at 3 and 9), worked out by hand with Δ = θ̄ − θ,
+# θ̃ = θ̄ − 2Δ applied τ steps after Δ was taken, then θ ← α·θ + (1−α)·θ̃. For example τ = 0, α = ½,
+# fragment 0: step 6: θ = −6, Δ = 6, θ̄ = −12, θ = −9; step 12: θ = −15, Δ = 3, θ̄ = −18, θ = −16.5.
+CLOSED_FORM = {
+    (0, 0.0): [(-24.0, -24.0), (-21.0, -18.0)],
+    (0, 0.5): [(-16.5, -18.0), (-15.75, -15.0)],
+    (0, 1.0): [(-12.0, -12.0), (-12.0, -12.0)],
+    (1, 0.0): [(-17.0, -12.0), (-18.0, -16.0)],
+    (1, 0.5): [(-14.5, -12.0), (-14.5, -14.0)],
+    (1, 1.0): [(-12.0, -12.0), (-12.0, -12.0)],
+}
+
+
+@pytest.mark.parametrize(("tau", "alpha"), sorted(CLOSED_FORM))
+def test_mixing_formula_matches_closed_form_for_every_tau(tau, alpha):
+    model = PathModel(CFG, (0, 0), seed=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # θ₀ = 0: every value below is exact in fp32
+    sync = SyncConfig(fragments=2, overlap_steps=tau, mixing_alpha=alpha)
+    loop, syncs = _streaming(model, 6, sync, OuterOptimizerConfig(lr=2.0, momentum=0.0, nesterov=False))
+    for step in range(1, 13):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(1.0)
+        loop.after_step(step, 100 * step, {})
+    for ms in syncs.values():
+        for f, (local, global_) in enumerate(CLOSED_FORM[(tau, alpha)]):
+            assert set(ms.plan.gather(ms.local_params, f).tolist()) == {local}, (ms.module_id, f)
+            assert set(ms.global_flats[f].tolist()) == {global_}, (ms.module_id, f)
+
+
+def test_unset_alpha_is_diloco_at_tau_0_and_the_papers_half_with_overlap():
+    assert SyncConfig().mixing_alpha == 0.0
+    assert SyncConfig(fragments=2, overlap_steps=1).mixing_alpha == 0.5
+    assert SyncConfig(overlap_steps=0, mixing_alpha=0.5).mixing_alpha == 0.5  # set: always followed
+
+
 def test_p1_tau0_reproduces_per_module_diloco():
     h, outer = 6, OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)
     base = PathModel(CFG, (1, 0), seed=4)
@@ -153,6 +194,69 @@ def test_codecs_round_trip_within_their_error_and_refuse_bad_buffers(name):
         codec.decode(data[:-1], x.numel())
     with pytest.raises(ValueError):
         codec.decode(data, 2 * x.numel())
+
+
+def test_sparse_codec_refuses_reordered_indices_and_negative_scales():
+    codec = make_codec("sparse")
+    x = torch.randn(1000)
+    data = bytearray(codec.encode(x))
+    blocks = 4
+    swapped = bytearray(data)
+    swapped[2 * blocks], swapped[2 * blocks + 1] = data[2 * blocks + 1], data[2 * blocks]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        codec.decode(bytes(swapped), x.numel())
+    negative = bytearray(data)
+    negative[1] |= 0x80  # the sign bit of the first block's bf16 scale (little-endian)
+    with pytest.raises(ValueError, match="negative"):
+        codec.decode(bytes(negative), x.numel())
+    # the sparse code keeps 2% of the values and costs 1/102 of fp32
+    assert int((codec.decode(bytes(data), x.numel()) != 0).sum()) == blocks * CODEC_SPECS["sparse"].topk
+    assert 4 / CODEC_SPECS["sparse"].wire_bytes_per_value > 100
+
+
+@pytest.mark.timeout(120)
+def test_sparse_error_feedback_loses_nothing_and_keeps_copies_identical(dht_factory):
+    """Two holders sync one module with the sparse codec for a few rounds (plain mean, outer SGD lr
+    1, error decay 1). Whatever of a holder's outer gradients was not sent is still in its error
+    buffer: θ̄₀ − θ̄_T = mean over holders of (Σ Δ − e_T), and both copies are the same bits."""
+    h, rounds = 4, 3
+    base = PathModel(CFG, (0, 0), seed=6)
+    outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
+    sync = SyncConfig(codec="sparse", error_feedback_decay=1.0, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, inner_steps=h, sync=sync, outer=outer)
+    models = [copy.deepcopy(base) for _ in range(2)]
+    syncs = [ModuleSync(CFG, "l0m0", m.parts["l0m0"], outer, 1) for m in models]
+    start = syncs[0].global_flats[0].clone()
+    numel = syncs[0].fragment_size(0)
+    raw = [torch.zeros(numel, dtype=torch.float64) for _ in models]
+    with sync_group(dht_factory, 2, numel, codec="sparse") as members:
+        holders = {"l0m0": [m.peer_id for m in members]}
+        loops = []
+        for m, ms in zip(members, syncs, strict=True):
+            loop = StreamingOuter({"l0m0": ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "test"))
+            loop.runner = m.runner
+            loops.append(loop)
+
+        def train(i: int) -> None:
+            def after(step: int) -> None:
+                if step % h == 0:
+                    raw[i] += syncs[i].outer_gradient(0).double()
+                loops[i].after_step(step, 100 * step, holders)
+
+            _train(models[i], _batches(h * rounds, seed=10 + i), after)
+
+        threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+    a, b = syncs
+    assert a.fragment_rounds == b.fragment_rounds == [rounds]
+    assert torch.equal(a.global_flats[0], b.global_flats[0])
+    assert all(ms.errors[0] is not None and float(ms.errors[0].norm()) > 0 for ms in syncs)
+    applied = (start - a.global_flats[0]).double()
+    kept = sum(r - ms.errors[0].double() for r, ms in zip(raw, syncs, strict=True)) / 2
+    assert float((applied - kept).abs().max()) < 1e-5 * float(kept.abs().max())
 
 
 def test_bytes_per_fragment_sync_are_one_pth_of_a_full_sync(dht_factory):

@@ -36,10 +36,13 @@ class LocalSwarm:
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, module: str = "peer"
+    ) -> subprocess.Popen:
+        """Starts `python -m module args` (`module`: pathswarm's CLI, or a benchmark's wrapper of it)."""
         log = open(self.log_path(name), "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "peer", *args],
+            [sys.executable, "-m", module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**self.env, **(env or {})},
@@ -64,9 +67,11 @@ class LocalSwarm:
             time.sleep(0.2)
         raise TimeoutError("bootstrap did not print its address in time")
 
-    def start_peer(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start_peer(
+        self, name: str, args: list[str], env: dict[str, str] | None = None, module: str = "peer"
+    ) -> subprocess.Popen:
         base = ["peer", "--initial_peers", *self.initial_peers, "--host_maddrs", LOOPBACK]
-        return self.spawn(name, base + args, env)
+        return self.spawn(name, base + args, env, module)
 
     def wait(self, name: str, timeout: float) -> int:
         return self.procs[name].wait(timeout=timeout)

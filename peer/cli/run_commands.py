@@ -39,7 +39,12 @@ def register(subparsers) -> dict[str, Handler]:
     c.add_argument("--codec", default="fp32", choices=CODEC_NAMES)
     c.add_argument("--fragments", type=int, default=1, help="P: fragments per module (Streaming DiLoCo)")
     c.add_argument("--overlap_steps", type=int, default=0, help="τ: inner steps a fragment sync may overlap")
-    c.add_argument("--mixing_alpha", type=float, default=0.5, help="α: local weight when merging after τ > 0")
+    c.add_argument(
+        "--mixing_alpha",
+        type=float,
+        default=None,
+        help="α: local weight when merging (default: 0.5 if τ > 0, else 0)",
+    )
     c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no_publish", action="store_true", help="only write the file")

@@ -26,15 +26,27 @@ class CodecSpec:
     scale_bytes: int
     #: relative L2 error bound on Gaussian data (tests check it; `benchmarks.codecs` measures it)
     error_bound: float
+    #: sparse codecs: values kept per block (the largest by magnitude), each with a 1-byte index in
+    #: its block; 0 for dense codecs
+    topk: int = 0
+
+    @property
+    def error_feedback(self) -> bool:
+        """A sparse codec drops most of each outer gradient: the sender keeps the rest for later."""
+        return self.topk > 0
 
     def wire_bytes(self, numel: int) -> int:
-        """Exact bytes of `numel` encoded numbers, block scales included."""
+        """Exact bytes of `numel` encoded numbers, block scales (and sparse indices) included."""
         blocks = math.ceil(numel / self.block) if self.block else 0
+        if self.topk:
+            return blocks * (self.scale_bytes + self.topk) + math.ceil(blocks * self.topk * self.bits / 8)
         return math.ceil(numel * self.bits / 8) + blocks * self.scale_bytes
 
     @property
     def wire_bytes_per_value(self) -> float:
         """Bytes one number takes on the wire, block scales included."""
+        if self.topk:
+            return (self.scale_bytes + self.topk * (1 + self.bits / 8)) / self.block
         return self.bits / 8 + (self.scale_bytes / self.block if self.block else 0.0)
 
 
@@ -46,6 +58,9 @@ CODEC_SPECS: dict[str, CodecSpec] = {
         CodecSpec("int8", 8, 256, 4, 1.5e-2),
         CodecSpec("nf4", 4, 64, 2, 0.1),
         CodecSpec("e3m0", 4, 64, 2, 0.2),
+        # the 5 largest of every 256 values (2%), 4 bits each: 10 bytes per 256 values, 1/102 of fp32;
+        # on Gaussian data it keeps ~14% of the energy (error 0.93); error feedback sends the rest later
+        CodecSpec("sparse", 4, 256, 2, 0.96, topk=5),
     )
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_SPECS)

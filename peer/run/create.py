@@ -48,7 +48,7 @@ class RunOptions(BaseModel):
     codec: str = "fp32"
     fragments: int = Field(1, ge=1)
     overlap_steps: int = Field(0, ge=0)
-    mixing_alpha: float = Field(0.5, ge=0, le=1)
+    mixing_alpha: float | None = Field(None, ge=0, le=1)
     seed: int = 0
 
 

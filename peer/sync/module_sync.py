@@ -73,6 +73,8 @@ class ModuleSync:
         #: bumped whenever the state is replaced (a download): rounds started before no longer apply
         self.epoch = 0
         self._digests: list[str | None] = [None] * n_fragments
+        #: sparse codecs: per fragment, what this peer's outer gradients did not send yet (local only)
+        self.errors: list[torch.Tensor | None] = [None] * n_fragments
 
     @property
     def n_fragments(self) -> int:
@@ -89,6 +91,17 @@ class ModuleSync:
     @torch.no_grad()
     def outer_gradient(self, fragment: int) -> torch.Tensor:
         return self.global_flats[fragment] - self.plan.gather(self.local_params, fragment)
+
+    @torch.no_grad()
+    def with_error(self, fragment: int, delta: torch.Tensor, decay: float) -> torch.Tensor:
+        """Δ plus the decayed part of earlier outer gradients that a sparse codec did not send."""
+        e = self.errors[fragment]
+        return delta if e is None else torch.add(delta, torch.mul(e, decay))
+
+    @torch.no_grad()
+    def keep_unsent(self, fragment: int, corrected: torch.Tensor, sent: torch.Tensor | None) -> None:
+        """Error feedback: what of `corrected` did not go out (`sent` None: all of it went out)."""
+        self.errors[fragment] = None if sent is None else torch.sub(corrected, sent)
 
     def digest(self, fragment: int) -> str:
         if self._digests[fragment] is None:

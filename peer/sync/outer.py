@@ -3,8 +3,8 @@
 Each module is cut into P fragments; fragment p of every module starts syncing after inner steps
 t ≡ p·H/P (mod H) (arXiv 2501.18512), so about 1/P of the parameters is on the wire at once. A
 fragment's round (`peer.sync.rounds`) runs in the background while inner steps go on; τ steps later
-the outer step is applied to the fragment's global copy and merged into the local model with α
-(τ = 0 waits for the round at once; P = 1, τ = 0, α = 0 is plain per-module DiLoCo). A module held by
+the outer step is applied to the fragment's global copy and merged into the local model with α, for
+every τ (τ = 0 waits for the round at once; P = 1, τ = 0, α = 0 is plain per-module DiLoCo). A module held by
 nobody else still gets its outer step, from this peer's own Δ.
 
 The round's members are the module's ready holders in the claim view (or this peer's planned
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from monitoring.metrics import PeerMetrics
 from peer.config import RunManifest
@@ -159,14 +161,23 @@ class StreamingOuter:
         self._tokens_at_sync[fragment] = tokens_total
         pending = PendingSync(fragment, self.clock + self.sync.overlap_steps, float(weight))
         fault_point("outer.before_allreduce")
+        codec = self.runner.codec if self.runner is not None else None
+        feedback = codec is not None and codec.spec.error_feedback
         for mid, ms in self.syncs.items():
             if ms.fragment_size(fragment) == 0:
                 continue
             delta = ms.outer_gradient(fragment)
+            if feedback:
+                delta = ms.with_error(fragment, delta, self.sync.error_feedback_decay)
             members = self.members_of(mid, holders)
             if len(members) < 2 or self.runner is None:
+                ms.keep_unsent(fragment, delta, None)  # applied whole: nothing is left unsent
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
+            if feedback:
+                # the runner sends exactly these bytes (encoding is deterministic on this peer)
+                sent = codec.decode(codec.encode(delta), delta.numel()).view_as(delta)
+                ms.keep_unsent(fragment, delta, sent)
             key = (mid, fragment, ms.fragment_rounds[fragment])
             pending.deltas[mid] = delta
             pending.epochs[mid] = ms.epoch
@@ -195,7 +206,11 @@ class StreamingOuter:
                 if self.on_behind is not None and self.on_behind(ms, r.ahead):
                     logger.info(f"{mid}: other holders were past our round; fetched their state")
                 continue
-            ms.apply(fragment, r.delta, self.sync.mixing_alpha if self.sync.overlap_steps else 0.0)
+            if ms.errors[fragment] is not None and r.outcome in ("alone", "failed", "excluded"):
+                # the error feedback assumed our sparse part went into the group's Δ̄: it did not
+                unsent = r.outcome == "excluded"
+                ms.keep_unsent(fragment, pending.deltas[mid], torch.zeros(()) if unsent else None)
+            ms.apply(fragment, r.delta, self.sync.mixing_alpha)
             if self.on_applied is not None:
                 self.on_applied(ms, fragment, r)
             self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
