@@ -23,17 +23,15 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
-
 from benchmarks.byzantine_peer import ATTACKS, ENV_VAR  # noqa: E402
-from benchmarks.wan.report import eval_loss  # noqa: E402
-from peer.checkpoint import load_latest_checkpoint  # noqa: E402
+from benchmarks.local_runs import (  # noqa: E402
+    add_run_args,
+    final_eval_loss,
+    make_manifest,
+    peer_argv,
+    write_run,
+)
 from peer.cli.local_swarm import LocalSwarm  # noqa: E402
-from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig  # noqa: E402
-from peer.data.sources import DatasetSpec, eval_documents  # noqa: E402
-from peer.model.grid import ModelConfig  # noqa: E402
-from peer.run.create import build_manifest  # noqa: E402
-from peer.run.record import save_record, sign_manifest  # noqa: E402
 
 RUN = "byzantine"
 TOLERANCE = 1.05
@@ -43,45 +41,15 @@ PEERS = 4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.byzantine", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rounds", type=int, default=12, help="outer rounds per run")
-    p.add_argument("--inner_steps", type=int, default=10, help="H")
-    p.add_argument("--d_model", type=int, default=64)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--builtin_docs", type=int, default=1500)
-    p.add_argument("--max_eval_docs", type=int, default=300)
+    add_run_args(p)
     p.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated subset of the attacks")
-    p.add_argument("--run_timeout_seconds", type=float, default=300.0)
     return p.parse_args(argv)
-
-
-def make_manifest(args: argparse.Namespace, aggregator: str) -> RunManifest:
-    steps = args.rounds * args.inner_steps
-    return build_manifest(
-        RUN,
-        ModelConfig(
-            d_model=args.d_model,
-            n_heads=4,
-            d_ff=4 * args.d_model,
-            max_seq_len=64,
-            n_levels=1,
-            modules_per_level=1,
-        ),  # fmt: skip
-        DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs),
-        seq_len=32,
-        inner_steps=args.inner_steps,
-        inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=10, total_steps=steps),
-        sync=SyncConfig(aggregator=aggregator, averaging_timeout_seconds=20.0),
-        router_docs=200,
-    )
 
 
 def run_swarm(args: argparse.Namespace, folder: Path, aggregator: str, attack: str | None) -> dict:
     """One training run of four peers (the last one hostile if `attack`); the honest p0's result."""
-    manifest = make_manifest(args, aggregator)
-    record = sign_manifest(manifest, RSAPrivateKey())
-    folder.mkdir(parents=True, exist_ok=True)
-    save_record(record, folder / "manifest.json")
-    run = f"{RUN}@{record.run_id[:16]}"
+    manifest = make_manifest(args, RUN, aggregator=aggregator)
+    run = write_run(manifest, folder)
     started = time.monotonic()
     with LocalSwarm(folder / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
@@ -89,22 +57,7 @@ def run_swarm(args: argparse.Namespace, folder: Path, aggregator: str, attack: s
             hostile = attack is not None and i == PEERS - 1
             swarm.start_peer(
                 f"p{i}",
-                [
-                    "--run",
-                    run,
-                    "--checkpoint_dir",
-                    str(folder / f"p{i}"),
-                    "--torch_threads",
-                    "1",
-                    "--batch_size",
-                    str(args.batch_size),
-                    "--heartbeat_seconds",
-                    "1",
-                    "--max_rounds",
-                    str(args.rounds),
-                    "--wait_for_peers",
-                    str(PEERS),
-                ],  # fmt: skip
+                peer_argv(args, run, folder / f"p{i}", "--wait_for_peers", str(PEERS)),
                 env={ENV_VAR: attack} if hostile else None,
                 module="benchmarks.byzantine_peer" if hostile else "peer",
             )
@@ -112,14 +65,10 @@ def run_swarm(args: argparse.Namespace, folder: Path, aggregator: str, attack: s
             code = swarm.wait(f"p{i}", timeout=args.run_timeout_seconds)
             if code != 0 and i < PEERS - 1:
                 raise RuntimeError(f"honest peer p{i} exited {code}: {swarm.log_path(f'p{i}')}")
-    loaded = load_latest_checkpoint(folder / "p0")
-    if loaded is None:
-        raise RuntimeError(f"p0 left no checkpoint in {folder / 'p0'}")
-    tensors, meta = loaded
-    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
+    loss, meta = final_eval_loss(args, manifest, folder / "p0")
     outcomes = [o for entry in meta.get("history", []) for o in entry["outcomes"].values()]
     return {
-        "eval_loss": eval_loss(manifest, tensors, "global", docs),
+        "eval_loss": loss,
         "outer_round": meta["outer_round"],
         "rounds_averaged_by_4": sum(o == "averaged/4" for o in outcomes),
         "rounds": len(outcomes),

@@ -95,6 +95,8 @@ NO_CUDA = pytest.mark.skipif(
         ({"new_swarm": True, "initial_peers": []}, "--new_swarm needs --manifest_path"),
         ({"initial_peers": []}, "give --initial_peers"),
         ({"inner_optimizer": "adamw8bit", "device": "cpu"}, "adamw8bit needs a CUDA device"),
+        ({"heartbeat_seconds": 15.0}, "half the claim TTL"),
+        ({"run": "demo@0123abcd"}, "at least 16 lowercase hex digits"),
         pytest.param({"inner_optimizer": "adamw8bit"}, "adamw8bit needs a CUDA device", marks=NO_CUDA),
         pytest.param({"device": "cuda:0"}, "CUDA is not available", marks=NO_CUDA),
     ],
@@ -104,3 +106,34 @@ def test_config_mistakes_are_refused_by_the_config_tree(values, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         load_peer_config({**base, **values})
     assert "\n" not in str(err.value)
+
+
+def test_a_manifest_with_overlap_not_below_h_over_p_is_refused():
+    from pydantic import ValidationError
+
+    from peer.config import RunManifest, SyncConfig
+
+    RunManifest(name="r", inner_steps=12, sync=SyncConfig(fragments=4, overlap_steps=2))
+    with pytest.raises(ValidationError, match="must be below H/P"):
+        RunManifest(name="r", inner_steps=12, sync=SyncConfig(fragments=4, overlap_steps=3))
+    with pytest.raises(ValidationError, match="exceeds inner_steps"):
+        RunManifest(name="r", inner_steps=2, sync=SyncConfig(fragments=4))
+
+
+def test_a_runs_data_files_cannot_leave_data_root(tmp_path):
+    from peer.data.sources import DatasetSpec, local_files
+
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.txt").write_text("inside\n")
+    (tmp_path / "secret.txt").write_text("outside\n")
+    (root / "link.txt").symlink_to(tmp_path / "secret.txt")
+    assert local_files(DatasetSpec(kind="text", data_files=["a.txt"]), root) == [str(root / "a.txt")]
+    for pattern, fragment in [
+        (str(tmp_path / "secret.txt"), "leaves --data_root"),
+        ("../secret.txt", "leaves --data_root"),
+        ("~/secret.txt", "leaves --data_root"),
+        ("link.txt", "resolves outside --data_root"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            local_files(DatasetSpec(kind="text", data_files=[pattern]), root)

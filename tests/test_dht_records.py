@@ -17,7 +17,7 @@ from peer.errors import SwarmError
 from peer.model.grid import ModelConfig
 from peer.run.record import sign_manifest, verify_record
 from peer.swarm.claims import choose_path, live_claims, publish_claim, should_move
-from peer.swarm.manifest import fetch_manifest, publish_record
+from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 
 RUN = "testrun"
 RUN_ID = "ab" * 32
@@ -144,3 +144,8 @@ def test_fetch_manifest_pins_and_refuses_forgeries(dht_factory):
     assert fetch_manifest(a, RUN, pin=second.run_id[:10], timeout_seconds=2)[1].run_id == second.run_id
     with pytest.raises(SwarmError, match="no verified manifest"):
         fetch_manifest(a, RUN, pin="0123456789", timeout_seconds=1)
+    # the creator's key: a pin on it picks the run that key signed, whatever else shares the name
+    by_b = fetch_manifest(a, RUN, creator=creator_of(second)[:16], timeout_seconds=2)[1]
+    assert by_b.run_id == second.run_id
+    with pytest.raises(SwarmError):
+        fetch_manifest(a, RUN, creator="ab" * 8, timeout_seconds=1)

@@ -84,6 +84,33 @@ def test_a_late_member_applies_the_average_the_others_agreed_on(dht_factory):
     assert all(torch.equal(late.delta, r.delta) for r in early_results)
 
 
+def _round_with_copies(members, copies: list[str], round_index: int = 0):
+    ids = [m.peer_id for m in members]
+    deltas = deltas_for(len(members), seed=4)
+    futures = [
+        m.runner.start((MODULE, 0, round_index), d, 1.0, ids, c)
+        for m, d, c in zip(members, deltas, copies, strict=True)
+    ]
+    return [f.result(timeout=60) for f in futures]
+
+
+def test_copies_that_differ_are_repaired_from_a_majority_or_after_a_healed_split_from_one_camp(dht_factory):
+    a, b = "a" * 64, "b" * 64
+    with sync_group(dht_factory, 4, NUMEL) as members:
+        ids = [m.peer_id for m in members]
+        # three agree: the odd one out repairs from them, nobody else does
+        results = _round_with_copies(members, [a, a, a, b])
+        assert [r.repair_from for r in results] == [[], [], [], sorted(ids[:3])]
+        # a healed partition, two against two: the camp with the larger digest repairs from the other
+        results = _round_with_copies(members, [b, a, b, a], round_index=1)
+        camp_a = sorted([ids[1], ids[3]])
+        assert [r.repair_from for r in results] == [camp_a, [], camp_a, []]
+    with sync_group(dht_factory, 2, NUMEL) as pair:
+        # one against one: a lone peer never wins a tie (it could grind a small digest)
+        results = _round_with_copies(pair, [b, a])
+        assert [r.repair_from for r in results] == [[], []]
+
+
 def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht_factory):
     deltas = deltas_for(3, seed=4)
     with sync_group(dht_factory, 3, NUMEL, max_delta_norm=1e3) as members:

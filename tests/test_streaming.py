@@ -16,7 +16,7 @@ from peer.model.grid import ModelConfig, path_module_ids
 from peer.model.transformer import PathModel
 from peer.sync.fragments import FragmentPlan, fragments_due, sync_offsets
 from peer.sync.module_sync import ModuleSync
-from peer.sync.outer import StreamingOuter
+from peer.sync.outer import OverlapTuner, StreamingOuter
 from tests.sync_members import run_round, sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
@@ -147,6 +147,30 @@ def test_unset_alpha_is_diloco_at_tau_0_and_the_papers_half_with_overlap():
     assert SyncConfig().mixing_alpha == 0.0
     assert SyncConfig(fragments=2, overlap_steps=1).mixing_alpha == 0.5
     assert SyncConfig(overlap_steps=0, mixing_alpha=0.5).mixing_alpha == 0.5  # set: always followed
+
+
+def test_overlap_is_raised_when_syncs_outlast_it_up_to_h_over_p_then_warns(caplog):
+    tuner = OverlapTuner(tau=1, inner_steps=12, fragments=2)  # τ may grow to H/P − 1 = 5
+    tuner.step_seconds = 0.1
+    tuner.sync_waited(0.3)
+    assert tuner.tau == 1  # one late sync is not a trend
+    tuner.sync_waited(0.01)  # a sync on time resets the count
+    tuner.sync_waited(0.3)
+    assert tuner.tau == 1
+    tuner.sync_waited(0.3)
+    assert tuner.tau == 4  # 0.3 s more than τ hid is 3 steps more
+    tuner.sync_waited(0.3)
+    tuner.sync_waited(0.3)
+    assert tuner.tau == 5
+    with caplog.at_level("WARNING"):
+        tuner.sync_waited(0.3)
+        tuner.sync_waited(0.3)
+    assert tuner.tau == 5 and "cannot grow past H/P − 1 = 5" in caplog.text
+    blocking = OverlapTuner(tau=0, inner_steps=12, fragments=2)  # DiLoCo by choice: left alone
+    blocking.step_seconds = 0.1
+    for _ in range(4):
+        blocking.sync_waited(1.0)
+    assert blocking.tau == 0
 
 
 def test_p1_tau0_reproduces_per_module_diloco():

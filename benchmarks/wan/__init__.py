@@ -1,6 +1,6 @@
 """Streaming DiLoCo on an emulated WAN: `python -m benchmarks.wan --out DIR`.
 
-Four configurations train the same model on the same data with the same inner optimizer, batch and
+Five configurations train the same model on the same data with the same inner optimizer, batch and
 number of steps, one after the other, each with `--peers` peers in their own network namespaces
 whose egress is capped at `--cap_mbit` (`netlab`). The grid is 1×1, so every peer holds
 every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
@@ -13,11 +13,13 @@ every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
 * `streaming_4bit` — P fragments synced H/P steps apart, overlapped τ steps, α = 0.5, a 4-bit codec.
   Unless `--overlap_steps` is given, τ is derived from the two runs before it: the step time of
   `no_sync` and the blocking sync time of `diloco_fp32` (see `derive_tau`).
+* `streaming_sparse` — as `streaming_4bit` with the same P, τ and α, but the `sparse` codec: the top
+  2% of each outer gradient at 4 bits with 1-byte indices, the rest kept as error feedback.
 * `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
   in fp32 every peers × batch × H samples (`hivemind_peer`).
 
 Four peers share this box's two cores, so each peer's training thread runs under a CPU quota
-(`--compute_cores`, a cgroup): its "accelerator". Its networking (DHT, averagers, p2pd) runs
+(`--compute_cores`, a cgroup): its "accelerator". Its networking (DHT, sync service, p2pd) runs
 outside the quota at a higher priority, as the host CPU of a real peer would (`PeerCpu`). CPU
 seconds of both are recorded. Defaults (3.2M-parameter model, batch 4×64 tokens, H = 48, P = 4)
 make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take about 15 minutes.

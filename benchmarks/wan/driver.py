@@ -30,7 +30,9 @@ from peer.model.transformer import PathModel, count_parameters
 from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
 
-CONFIGS = ("no_sync", "diloco_fp32", "streaming_4bit", "hivemind_optimizer")
+CONFIGS = ("no_sync", "diloco_fp32", "streaming_4bit", "streaming_sparse", "hivemind_optimizer")
+#: the runs that keep a global copy (scored by it) and sync by fragments
+STREAMING = ("streaming_4bit", "streaming_sparse")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=4, help="blocks of the one grid module (a multiple of P)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup_steps", type=int, default=30)
-    p.add_argument("--matchmaking_seconds", type=float, default=10.0)
+    p.add_argument("--matchmaking_seconds", type=float, default=10.0, help="hivemind_optimizer only")
     p.add_argument("--averaging_timeout", type=float, default=30.0)
     p.add_argument("--builtin_docs", type=int, default=3000)
     p.add_argument("--max_eval_docs", type=int, default=100)
@@ -108,14 +110,12 @@ def base_manifest(args: argparse.Namespace) -> RunManifest:
 
 
 def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
-    common = dict(
-        matchmaking_time_seconds=args.matchmaking_seconds, averaging_timeout_seconds=args.averaging_timeout
-    )
+    common = dict(averaging_timeout_seconds=args.averaging_timeout)
     if name == "no_sync":
         return SyncConfig(codec="fp32", fragments=1, overlap_steps=1, mixing_alpha=1.0, **common)
-    if name == "streaming_4bit":
+    if name in STREAMING:
         return SyncConfig(
-            codec=args.codec,
+            codec=args.codec if name == "streaming_4bit" else "sparse",
             fragments=args.fragments,
             overlap_steps=tau,
             mixing_alpha=args.mixing_alpha,
@@ -291,9 +291,9 @@ def run_configs(args: argparse.Namespace, base: RunManifest, model_bytes: int, s
     losses = [0.0] + [args.loss] * args.peers
     with NetLab(args.peers + 1, cap_mbit=caps, loss=losses) as lab:
         for name in [c for c in CONFIGS if c in args.configs]:
-            if name == "streaming_4bit":
+            if name in STREAMING and not tau_why:
                 tau, tau_why = derive_tau(args, runs, model_bytes)
-                print(f"streaming_4bit: τ = {tau} ({json.dumps(tau_why)})")
+                print(f"streaming: τ = {tau} ({json.dumps(tau_why)})")
             sync = sync_config(name, args, tau)
             manifest = base.model_copy(update=dict(name=f"wan_{name}", sync=sync))
             print(f"[{time.monotonic() - started:5.0f}s] {name}: starting", flush=True)
@@ -320,7 +320,7 @@ def evaluate_runs(outcomes: dict[str, Outcome], runs: dict[str, dict], docs: lis
     base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else float("nan")
     for name, o in outcomes.items():
         r = runs[name]
-        which = "global" if name in ("diloco_fp32", "streaming_4bit") else "local"
+        which = "global" if name in ("diloco_fp32", *STREAMING) else "local"
         r["eval_loss"] = report.eval_loss(o.manifest, o.tensors, which, docs)
         r["eval_weights"] = which
         if which == "global":
@@ -332,6 +332,8 @@ def evaluate_runs(outcomes: dict[str, Outcome], runs: dict[str, dict], docs: lis
             r["peak_payload_bytes_per_sync"] if r["peak_is_payload"] else r["peak_wire_burst_bytes"]
         )
         r["sync"] = o.manifest.sync.model_dump()
+        # τ each peer ended with (peers raise it when their syncs outlast it: OverlapTuner)
+        r["overlap_steps_final"] = [h[-1].get("overlap_steps") if h else None for h in o.histories]
         r["commands"] = [" ".join(c) for c in o.commands]
 
 

@@ -133,11 +133,10 @@ def eval_loss(manifest: RunManifest, tensors: dict[str, torch.Tensor], which: st
 
 
 def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
-    """Relative L2 error and cosine of each 4-bit codec on an outer-gradient-like vector: the gap
-    between a streaming peer's global copy and its local model at the end (same bytes for both)."""
-    from hivemind.compression import CompressionInfo
-
-    from peer.codecs.formats import E3M0Codec, NF4Codec
+    """Relative L2 error and cosine of each compressing codec on an outer-gradient-like vector: the
+    gap between a streaming peer's global copy and its local model at the end."""
+    from peer.codecs.formats import make_codec
+    from peer.codecs.specs import CODEC_NAMES
 
     parts = []
     for key, value in tensors.items():
@@ -146,13 +145,16 @@ def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]
             parts.append((value - tensors[f"local/parts.{mid}.{name}"]).reshape(-1).float())
     delta = torch.cat(parts)
     out = {}
-    for name, codec in (("nf4", NF4Codec()), ("e3m0", E3M0Codec())):
-        msg = codec.compress(delta, CompressionInfo.from_tensor(delta))
-        back = codec.extract(msg)
+    for name in CODEC_NAMES:
+        if name in ("fp32", "int8"):
+            continue
+        codec = make_codec(name)
+        data = codec.encode(delta)
+        back = codec.decode(data, delta.numel())
         out[name] = dict(
             relative_l2_error=float((back - delta).norm() / delta.norm()),
             cosine=float(torch.nn.functional.cosine_similarity(back, delta, dim=0)),
-            bytes_per_value=len(msg.buffer) / delta.numel(),
+            bytes_per_value=len(data) / delta.numel(),
         )
     return out
 
@@ -177,6 +179,18 @@ def targets_report(runs: dict[str, dict], fragments: int) -> dict:
         )
         out["streaming_4bit eval_loss <= 1.01 x diloco_fp32"] = _check(
             s["eval_loss"] / d["eval_loss"], 1.01, "max"
+        )
+    sp = runs.get("streaming_sparse")
+    if sp:
+        out["streaming_sparse tokens_per_second_ratio >= 0.95"] = _check(
+            sp["tokens_per_second_ratio"], 0.95, "min"
+        )
+    if sp and d:
+        out["streaming_sparse bytes_sent_per_peer_per_round <= 1/50 of diloco_fp32"] = _check(
+            sp["bytes_sent_per_peer_per_round"] / d["bytes_sent_per_peer_per_round"], 1 / 50, "max"
+        )
+        out["streaming_sparse eval_loss <= 1.02 x diloco_fp32"] = _check(
+            sp["eval_loss"] / d["eval_loss"], 1.02, "max"
         )
     return out
 

@@ -15,6 +15,8 @@ copy is in step shares: no matchmaking.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +69,8 @@ class FragmentDone:
     fragment: int
     step: int
     results: dict[str, RoundResult]
+    #: τ in effect when it was applied (raised from the manifest's when syncs outlast it)
+    overlap_steps: int = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -91,6 +95,62 @@ class SyncTotals:
             self.bad_parts[reason] = self.bad_parts.get(reason, 0) + count
         self.bytes_sent += r.bytes_sent
         self.bytes_received += r.bytes_received
+
+
+class OverlapTuner:
+    """τ from measured sync time: when fragment syncs keep outlasting the τ steps meant to hide them,
+    τ is raised as far as the schedule allows (τ < H/P: a fragment's sync must be applied before the
+    next fragment's starts). τ only changes when the run overlaps at all (τ > 0 in the manifest):
+    τ = 0 is blocking DiLoCo by choice. Holders may differ in τ: it only moves when each merges the
+    same θ̃ into its own local model, never what the group averages."""
+
+    #: syncs in a row that must outlast τ before it is raised (one slow sync is not a trend)
+    LATE_SYNCS = 2
+
+    def __init__(self, tau: int, inner_steps: int, fragments: int):
+        self.tau = tau
+        self.max_tau = max(0, inner_steps // fragments - 1)
+        self.step_seconds: float | None = None
+        self._started: float | None = None
+        self._late = 0
+        self._warned = False
+
+    def step_started(self) -> None:
+        self._started = time.monotonic()
+
+    def step_ended(self) -> None:
+        """One inner step's compute time (syncs excluded), smoothed."""
+        if self._started is None:
+            return
+        dt = time.monotonic() - self._started
+        self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
+
+    def sync_waited(self, seconds: float) -> None:
+        """The loop waited `seconds` for a sync that was due: τ steps did not hide it."""
+        if self.tau == 0 or not self.step_seconds:
+            return
+        if seconds < 0.25 * self.step_seconds:
+            self._late = 0
+            return
+        self._late += 1
+        if self._late < self.LATE_SYNCS:
+            return
+        self._late = 0
+        wanted = self.tau + math.ceil(seconds / self.step_seconds)
+        if self.tau < self.max_tau:
+            raised = min(self.max_tau, wanted)
+            logger.info(
+                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s "
+                f"({self.step_seconds:.2f}s/step): raising τ to {raised}"
+            )
+            self.tau = raised
+        elif not self._warned:
+            self._warned = True
+            logger.warning(
+                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s, and τ cannot grow "
+                f"past H/P − 1 = {self.max_tau}: more fragments per module, a smaller codec or a faster "
+                "link would hide them"
+            )
 
 
 class StreamingOuter:
@@ -122,6 +182,7 @@ class StreamingOuter:
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
         self.totals = SyncTotals()
+        self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.inner_steps, self.sync.fragments)
 
     def reset_tokens(self, tokens_total: int) -> None:
         self._tokens_at_sync = [tokens_total] * self.sync.fragments
@@ -134,10 +195,13 @@ class StreamingOuter:
     def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
         """Advances the schedule by one inner step (the peer's `step`): starts the syncs due now and
         finishes those whose τ ran out."""
+        self.overlap.step_ended()
         self.clock += 1
         for fragment in fragments_due(self.clock, self.inner_steps, self.sync.fragments):
             self._start(fragment, tokens_total, holders)
-        return [self._finish(p, step) for p in [p for p in self.pending if p.due_step <= self.clock]]
+        done = [self._finish(p, step) for p in [p for p in self.pending if p.due_step <= self.clock]]
+        self.overlap.step_started()
+        return done
 
     def drain(self, step: int) -> list[FragmentDone]:
         """Finishes every sync still in flight (before a checkpoint or leaving)."""
@@ -159,7 +223,7 @@ class StreamingOuter:
     def _start(self, fragment: int, tokens_total: int, holders: dict[str, list[str]]) -> None:
         weight = max(1, tokens_total - self._tokens_at_sync[fragment])
         self._tokens_at_sync[fragment] = tokens_total
-        pending = PendingSync(fragment, self.clock + self.sync.overlap_steps, float(weight))
+        pending = PendingSync(fragment, self.clock + self.overlap.tau, float(weight))
         fault_point("outer.before_allreduce")
         codec = self.runner.codec if self.runner is not None else None
         feedback = codec is not None and codec.spec.error_feedback
@@ -189,12 +253,15 @@ class StreamingOuter:
         fragment = pending.fragment
         # the round's own deadlines bound it; this is a last resort against a wedged event loop
         limit = self.sync.averaging_timeout_seconds + self.sync.report_timeout_seconds + 30
+        waiting_since = time.monotonic()
         for mid, future in pending.futures.items():
             try:
                 pending.results[mid] = future.result(timeout=limit)
             except Exception as e:
                 detail = f"{type(e).__name__}: {e}"
                 pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
+        if pending.futures:
+            self.overlap.sync_waited(time.monotonic() - waiting_since)
         fault_point("outer.after_allreduce")
         for mid, r in pending.results.items():
             ms = self.syncs[mid]
@@ -220,4 +287,4 @@ class StreamingOuter:
                     self.metrics.bad_part(reason)
             if r.outcome not in ("averaged", "alone"):
                 logger.warning(f"{mid} fragment {fragment}: {r.outcome} ({r.detail})")
-        return FragmentDone(fragment, step, pending.results)
+        return FragmentDone(fragment, step, pending.results, self.overlap.tau)

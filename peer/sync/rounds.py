@@ -16,7 +16,8 @@ view it already keeps, so a round starts the moment a member's outer gradient is
 
 A member whose own Δ was left out (it was late) applies the others' aggregate all the same, which
 keeps it in step. The reports' copy digests tell a member whose copy differs from a strict majority
-of the group that it must repair it (`repair_from`). What a member cannot know (whether a report it
+of the group (or, in a tie of camps, from the camp with the smallest digest) that it must repair it
+(`repair_from`). What a member cannot know (whether a report it
 never got would have changed its agreed set) is caught the next round by those digests.
 """
 
@@ -77,6 +78,18 @@ class RoundSettings:
     averaging_timeout_seconds: float
     report_timeout_seconds: float
     aggregator: AggregatorConfig
+
+
+def _group_copy(digests: Counter, holders: int) -> str | None:
+    """The copy the group keeps: a strict majority's; in a tie between the largest camps of at least
+    two holders each (a partition that healed: two halves in step with themselves), the smallest
+    digest, an arbitrary rule every member applies alike. A lone holder never wins a tie, so one
+    hostile peer cannot make another download its state by grinding a small digest."""
+    top, count = digests.most_common(1)[0]
+    if count * 2 > holders:
+        return top
+    tied = sorted(d for d, c in digests.items() if c == count)
+    return tied[0] if count >= 2 and len(tied) > 1 else None
 
 
 class RoundRunner:
@@ -224,8 +237,8 @@ class RoundRunner:
         digests = Counter([state_digest] + [r.state_digest for r in reports.values()])
         holders = 1 + len(reports)
         repair = []
-        top, count = digests.most_common(1)[0]
-        if count * 2 > holders and top != state_digest:
+        top = _group_copy(digests, holders)
+        if top is not None and top != state_digest:
             repair = sorted(p for p, r in reports.items() if r.state_digest == top)
         if self.me not in agreed:
             outcome = "excluded"

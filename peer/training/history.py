@@ -52,6 +52,7 @@ class RoundHistory:
             step=step,
             loss=sum(self._losses) / max(1, len(self._losses)),
             outcomes=done.summary(),
+            overlap_steps=done.overlap_steps,
             fragments=self._fragments,
             bytes_sent=self._bytes,
             peak_sync_bytes=self._peak_bytes,
