@@ -38,7 +38,7 @@ from peer.cli.local_swarm import LocalSwarm  # noqa: E402
 RUN = "chaos"
 PEERS = 4
 #: what a peer logs when it must start a module from initial weights (peer/sync/path_sync.py)
-RESET_MARK = "no peer holds or keeps this module"
+RESET_MARK = "starts again from its initial weights"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -314,7 +314,16 @@ def run_configs(args: argparse.Namespace, base: RunManifest, model_bytes: int, s
     return outcomes, runs, failures, tau, tau_why
 
 
-def evaluate_runs(outcomes: dict[str, Outcome], runs: dict[str, dict], docs: list[str]) -> None:
+def control_share(r: dict, sync: SyncConfig, n_params: int, peers: int) -> tuple[float, float]:
+    """Outer-gradient bytes a peer must send per round in an all-gather of `peers` (each Δ to every
+    other member), and the share of everything else on its wire (DHT, claims, reports, TCP/IP) over it."""
+    payload = (peers - 1) * n_params * codec_spec(sync.codec).wire_bytes_per_value
+    return payload, (r["wire_bytes_per_round"] - payload) / payload
+
+
+def evaluate_runs(
+    outcomes: dict[str, Outcome], runs: dict[str, dict], docs: list[str], n_params: int, peers: int
+) -> None:
     """Eval loss of every run (peer 0's global copy, or its local model where there is none), and the
     ratios against no_sync."""
     base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else float("nan")
@@ -332,6 +341,10 @@ def evaluate_runs(outcomes: dict[str, Outcome], runs: dict[str, dict], docs: lis
             r["peak_payload_bytes_per_sync"] if r["peak_is_payload"] else r["peak_wire_burst_bytes"]
         )
         r["sync"] = o.manifest.sync.model_dump()
+        if name in ("diloco_fp32", *STREAMING):
+            r["gradient_bytes_per_round"], r["control_share"] = control_share(
+                r, o.manifest.sync, n_params, peers
+            )
         # τ each peer ended with (peers raise it when their syncs outlast it: OverlapTuner)
         r["overlap_steps_final"] = [h[-1].get("overlap_steps") if h else None for h in o.histories]
         r["commands"] = [" ".join(c) for c in o.commands]
@@ -359,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes, runs, failures, tau, tau_why = run_configs(args, base, model_bytes, started)
     torch.set_num_threads(os.cpu_count() or 1)  # the peers are gone: evaluation may use every core
     docs = eval_documents(base.dataset, limit=args.max_eval_docs)
-    evaluate_runs(outcomes, runs, docs)
+    evaluate_runs(outcomes, runs, docs, n_params, args.peers)
     summary = dict(
         peers=args.peers, cap_mbit=args.cap_mbit, loss=args.loss, steps=args.steps, H=args.inner_steps,
         fragments=args.fragments, overlap_steps=tau, overlap_derivation=tau_why,

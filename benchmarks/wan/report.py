@@ -211,18 +211,19 @@ def write_markdown(path: Path, report: dict) -> str:
         f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
         "",
         "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak bytes / sync "
-        "| wire burst peak | eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| wire burst peak | control share | eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
         peak = f"{r['peak_bytes_per_sync'] / 1e3:,.0f} kB" + ("" if r["peak_is_payload"] else " (wire)")
+        control = f"{r['control_share']:.1%}" if "control_share" in r else "–"
         lines.append(
             f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
             f"| {r['bytes_sent_per_peer_per_round'] / 1e3:,.0f} kB | {peak} "
-            f"| {r['peak_wire_burst_bytes'] / 1e3:,.0f} kB | {r['eval_loss']:.4f} |"
+            f"| {r['peak_wire_burst_bytes'] / 1e3:,.0f} kB | {control} | {r['eval_loss']:.4f} |"
         )
     for name, error in report.get("failed", {}).items():
-        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} | | | | | |")
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} | | | | | | |")
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
@@ -230,7 +231,9 @@ def write_markdown(path: Path, report: dict) -> str:
         "",
         "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
         "Peak bytes per sync: payload bytes of the largest sync event from the peers' histories "
-        "(hivemind: the largest burst on its veth). Eval loss: NLL per token on held-out documents of "
+        "(hivemind: the largest burst on its veth). Control share: wire bytes beyond the outer "
+        "gradients an all-gather must send (each Δ to every other member), over those. "
+        "Eval loss: NLL per token on held-out documents of "
         "peer 0's global copy (no_sync and hivemind: its local model) after the same number of steps.",
     ]
     text = "\n".join(lines) + "\n"

@@ -138,29 +138,36 @@ class PathSync:
     # --- catching up and repairing ------------------------------------------------------------------
 
     def catch_up(self, donors: Donors, kept: Donors | None = None) -> None:
-        """Downloads the state of every module that its live holders — or, with none, a keeper — have
+        """Downloads the state of every module that its live holders — or, failing them, a keeper — have
         advanced past ours. Donors are the most advanced, ordered by a hash of (us, module, donor), so
         a joiner's modules come from different peers rather than all from one. A module whose holders
         and keepers all fail to send it starts again from its initial weights: that is said loudly and
         counted, never done silently."""
         kept = kept or {}
         for mid, ms in self.syncs.items():
-            sources = donors.get(mid) or kept.get(mid, [])
             ours = sum(ms.fragment_rounds)
-            best = max((r for _, r in sources), default=0)
-            if best <= ours:
-                continue
-            ordered = sorted(sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0])))
-            kind = "holders" if donors.get(mid) else "keepers"
-            if self.fetch_state(ms, [p for p, _ in ordered]):
-                logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
-            elif ours == 0:
-                logger.error(
-                    f"{mid}: its {kind} are at round {best} but none sent a state: no peer holds or keeps "
-                    "this module, and it starts again from its initial weights (a run keeps its modules "
-                    "with a keeper: pathswarm bootstrap --keep_state DIR)"
+            best = 0
+            for kind, sources in (("holders", donors.get(mid, [])), ("keepers", kept.get(mid, []))):
+                top = max((r for _, r in sources), default=0)
+                if top <= ours:
+                    continue
+                best = max(best, top)
+                ordered = sorted(
+                    sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0]))
                 )
-                self.metrics.module_reset()
+                if self.fetch_state(ms, [p for p, _ in ordered]):
+                    logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
+                    break
+            else:
+                if best > ours and ours == 0:
+                    logger.error(
+                        f"{mid}: its holders or keepers are at round {best} but none sent a state that "
+                        "another confirms (gone, or their copies differ): it starts again from its initial "
+                        "weights here; a later round's digest check repairs it from the holders' majority "
+                        "if they agree, and a keeper (pathswarm bootstrap --keep_state DIR) keeps modules "
+                        "whose holders all leave"
+                    )
+                    self.metrics.module_reset()
         self.align()
 
     def hand_over(self, modules: list[str], keepers: list[str]) -> None:
