@@ -28,6 +28,8 @@ SAFETY_FACTOR = 1.25
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """A path's memory: fixed state per parameter, plus activations that grow with the batch."""
+
     parameters: int
     state_bytes: int
     bytes_per_sample: int
