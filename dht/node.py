@@ -70,6 +70,11 @@ def start_dht(
         use_relay=use_relay,
         use_auto_relay=use_auto_relay,
     )
+    if use_auto_relay:
+        # a volunteer asks for a relay because no port can be opened: reserve a slot at once instead
+        # of waiting for AutoNAT to conclude so from several peers' dial attempts (small swarms have
+        # too few peers for that); the relays are the initial peers (p2pd's default trusted relays)
+        kwargs["force_reachability"] = "private"
     kwargs["identity_path"] = str(identity_file)  # the signing key is the peer id, always
     try:
         dht = hivemind.DHT(

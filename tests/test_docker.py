@@ -92,11 +92,11 @@ def test_containerized_peer_trains_with_host_peers_and_resumes_after_sigterm(tmp
             def start_container(name: str) -> float:
                 names.append(name)
                 started = time.monotonic()
-                podman("run", "-d", "--name", name, "--network", "host", "-v", f"{volume}:/data", image,
+                podman("run", "-d", "--name", name, "--network", "host", "-v", f"{volume}:/data",
+                       "-e", f"PATHSWARM_METRICS_PORT={metrics_port}", image,
                        "peer", "--run", f"{RUN}@{run_id[:16]}", "--initial_peers", *swarm.initial_peers,
                        "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--path", "0", "--batch_size", "4",
-                       "--torch_threads", "1", "--heartbeat_seconds", "1",
-                       "--metrics_port", str(metrics_port))  # fmt: skip
+                       "--torch_threads", "1", "--heartbeat_seconds", "1")  # fmt: skip
                 return started
 
             def logs(name: str) -> str:

@@ -110,6 +110,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         run_name=manifest.name if manifest is not None else None,
         run_id=record.run_id if record is not None else None,
     )
+    from peer.swarm.reachability import DialBackService
+
+    dialback = DialBackService(dht)  # joining peers ask the bootstrap node whether it can dial them
     keeper = None
     dht_lock = threading.Lock()  # the keeper's thread and this one share the DHT handle
     stop = threading.Event()
@@ -131,5 +134,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     finally:
         if keeper is not None:
             keeper.shutdown()
+        dialback.shutdown()
         dht.shutdown()
     return 0

@@ -37,6 +37,7 @@ from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
+from peer.swarm.reachability import DialBackService, helpers_from
 from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
 from peer.training.history import RoundHistory
@@ -55,6 +56,7 @@ class Peer:
         self.config = config
         self.stop_requested = threading.Event()
         self.dht = None
+        self.dialback: DialBackService | None = None
         self.membership: Membership | None = None
         self.sync: PathSync | None = None
         self.metrics: PeerMetrics | None = None
@@ -87,6 +89,11 @@ class Peer:
             run_name=cfg.run_name,
         )
         self.peer_id = str(self.dht.peer_id)
+        self.dialback = DialBackService(self.dht)
+        self.reachability = self.dialback.check(
+            self.dht, helpers_from(cfg.initial_peers), cfg.client_mode, cfg.use_auto_relay
+        )
+        logger.info(self.reachability.message)
         self.manifest, record = self._join_run()
         self.run_id = record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
@@ -96,6 +103,7 @@ class Peer:
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
+        self.membership.reachability = self.reachability.state
         if self.stop_requested.is_set():
             self.membership.request_stop()
         self.membership.read_claims()
@@ -354,5 +362,7 @@ class Peer:
             self.membership.shutdown()
         if self.metrics is not None:
             self.metrics.shutdown()
+        if self.dialback is not None:
+            self.dialback.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
