@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -73,7 +73,11 @@ class DialBackService:
         self._p2p = self._background.call(self._start(dht), timeout=30)
 
     async def _start(self, dht: hivemind.DHT):
-        p2p = await dht.replicate_p2p()
+        # a replica of our own: `dht.replicate_p2p()` hands every caller in this process one cached
+        # replica, whose handler listener then lives on the first caller's event loop; a second loop
+        # adding handlers to it (the probe service's) hangs
+        daemon = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+        p2p = await P2P.replicate(daemon)
         await p2p.add_protobuf_handler(HANDLER, self._serve, runtime_pb2.Tensor)
         return p2p
 
