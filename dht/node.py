@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
-from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
+from dht.startup_errors import explain_start_failure
 from dht.validators import RecordSchemaValidator
 from peer.errors import SwarmError
 
@@ -50,6 +49,8 @@ def start_dht(
     run_id: str | None = None,
     max_record_ttl_seconds: float = MAX_RECORD_TTL_SECONDS,
     startup_timeout_seconds: float = 30.0,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given)."""
     key, identity_file = load_identity(identity_path)
@@ -63,34 +64,25 @@ def start_dht(
         client_mode=client_mode,
         nat_port_map=False,
         startup_timeout=startup_timeout_seconds,
+        # libp2p circuit relays (hivemind's options, petals' flags): `use_relay` lets this node reach
+        # and serve peers through relays; `use_auto_relay` makes a node behind NAT reserve a slot on
+        # a relay so that others can reach it
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
     )
+    if use_auto_relay:
+        # a volunteer asks for a relay because no port can be opened: reserve a slot at once instead
+        # of waiting for AutoNAT to conclude so from several peers' dial attempts (small swarms have
+        # too few peers for that); the relays are the initial peers (p2pd's default trusted relays)
+        kwargs["force_reachability"] = "private"
     kwargs["identity_path"] = str(identity_file)  # the signing key is the peer id, always
     try:
         dht = hivemind.DHT(
             initial_peers=initial_peers or None, start=True, record_validators=validators, **kwargs
         )
     except Exception as e:
-        raise SwarmError(_start_failure(e, bool(initial_peers))) from e
+        raise SwarmError(explain_start_failure(e, initial_peers, str(identity_file))) from None
     return dht, key
-
-
-_CLOCK_MISMATCH = re.compile(r"local time must be within .*local: ([0-9.]+), peer: ([0-9.]+)")
-
-
-def _start_failure(e: Exception, had_initial_peers: bool) -> str:
-    text = str(e).splitlines()[0] if str(e) else repr(e)
-    skew = _CLOCK_MISMATCH.search(" ".join(text.split()))
-    if skew:
-        # hivemind's DHT refuses a node whose clock is off the bootstrap peer's by more than
-        # MAX_DHT_TIME_DISCREPANCY_SECONDS: the honest fix is the clock, not a looser check
-        offset = float(skew.group(1)) - float(skew.group(2))
-        return (
-            f"could not start the DHT node: this machine's clock is {offset:+.1f} s off the "
-            f"bootstrap peer's, and the DHT accepts at most {MAX_DHT_TIME_DISCREPANCY_SECONDS} s: "
-            "synchronise the clock (e.g. `timedatectl set-ntp true`) and start again"
-        )
-    hint = " (is the bootstrap peer running and reachable?)" if had_initial_peers else ""
-    return f"could not start the DHT node: {text}{hint}"
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -182,6 +182,10 @@ class PeerConfig(BaseModel):
     announce_maddrs: list[str] = Field(default_factory=list)
     identity_path: Path | None = None
     client_mode: bool = False
+    #: libp2p circuit relays, as hivemind and petals spell them: reach and serve peers through relays
+    use_relay: bool = True
+    #: behind a NAT with no open port: reserve a slot on a relay so that other peers can reach this one
+    use_auto_relay: bool = False
     new_swarm: bool = False
     run: str = Field(..., description="NAME or NAME@HASH (pins the manifest's sha256 or a prefix of it)")
     manifest_path: Path | None = Field(None, description="a signed manifest file to verify and publish")
@@ -193,6 +197,8 @@ class PeerConfig(BaseModel):
     path: str | None = Field(None, description="claim this path (index or one module index per level)")
     device: str = "auto"
     batch_size: int = Field(8, ge=1)
+    #: memory the path may use (default: what the device has free); checked before anything is allocated
+    max_memory_bytes: int | None = Field(None, ge=1)
     inner_optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     metrics_port: int | None = Field(None, ge=0, le=65535)
     #: loopback by default: a volunteer exposes metrics deliberately (containers pass 0.0.0.0)

@@ -34,6 +34,9 @@ def register(subparsers) -> dict[str, Handler]:
     p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
     p.add_argument("--device", default=s, help="auto, cpu or cuda[:N]")
     p.add_argument("--batch_size", type=int, default=s)
+    p.add_argument(
+        "--max_memory_bytes", type=int, default=s, help="memory the path may use (default: all that is free)"
+    )
     p.add_argument("--inner_optimizer", choices=["adamw", "adamw8bit"], default=s)
     p.add_argument("--metrics_port", type=int, default=s, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics_host", default=s, help="address for /metrics (default 0.0.0.0)")
@@ -102,9 +105,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
         announce_maddrs=getattr(args, "announce_maddrs", []),
         identity_path=getattr(args, "identity_path", None),
+        use_relay=getattr(args, "use_relay", True),
+        use_auto_relay=getattr(args, "use_auto_relay", False),
         run_name=manifest.name if manifest is not None else None,
         run_id=record.run_id if record is not None else None,
     )
+    from peer.swarm.reachability import DialBackService
+
+    dialback = DialBackService(dht)  # joining peers ask the bootstrap node whether it can dial them
     keeper = None
     dht_lock = threading.Lock()  # the keeper's thread and this one share the DHT handle
     stop = threading.Event()
@@ -126,5 +134,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     finally:
         if keeper is not None:
             keeper.shutdown()
+        dialback.shutdown()
         dht.shutdown()
     return 0

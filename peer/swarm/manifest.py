@@ -48,6 +48,7 @@ def fetch_manifest(
     creators, never chosen between silently."""
     deadline = time.monotonic() + timeout_seconds
     rejected: list[str] = []
+    unpinned: dict[str, str] = {}  # verified runs of this name that the pin or --creator excludes
     while True:
         candidates: dict[str, tuple[RunManifest, ManifestRecord]] = {}
         found = dht.get(manifest_key(run_name), latest=True)
@@ -65,6 +66,8 @@ def fetch_manifest(
                 pinned = pin is None or record.run_id.startswith(pin)
                 if pinned and (creator is None or creator_of(record).startswith(creator)):
                     candidates[record.run_id] = (manifest, record)
+                else:
+                    unpinned[record.run_id] = creator_of(record)
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         if len(candidates) > 1:
@@ -74,7 +77,29 @@ def fetch_manifest(
             )
             raise SwarmError(f"several runs are named {run_name!r}; pin one with --run or --creator: {ids}")
         if time.monotonic() > deadline:
-            why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""
-            pinned = f" with hash {pin}..." if pin else ""
-            raise SwarmError(f"no verified manifest for run {run_name!r}{pinned} in the DHT{why}")
+            raise SwarmError(_not_found(run_name, pin, creator, unpinned, rejected, timeout_seconds))
         time.sleep(0.5)
+
+
+def _not_found(
+    run_name: str,
+    pin: str | None,
+    creator: str | None,
+    unpinned: dict[str, str],
+    rejected: list[str],
+    waited_seconds: float,
+) -> str:
+    why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""
+    if unpinned:
+        found = ", ".join(f"{rid[:16]} (creator {c[:16]})" for rid, c in sorted(unpinned.items()))
+        wanted = f"hash {pin}" if pin else ""
+        wanted += (" and " if wanted else "") + (f"creator {creator}" if creator else "")
+        return (
+            f"no verified manifest for run {run_name!r} with {wanted}: the swarm has {run_name!r} only "
+            f"as {found}; check the hash or creator you were given (a different hash is a different run)"
+        )
+    pinned = f" with hash {pin}..." if pin else ""
+    return (
+        f"no verified manifest for run {run_name!r}{pinned} in the DHT after {waited_seconds:g} s{why}: "
+        "check the --run name, and that the --initial_peers belong to that run's swarm"
+    )

@@ -31,11 +31,13 @@ from peer.errors import ConfigError
 from peer.faults import fault_point
 from peer.model.grid import parse_path, path_index, path_module_ids
 from peer.model.transformer import PathModel
+from peer.run.memory import available_bytes, check_path_fits
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
+from peer.swarm.reachability import DialBackService, helpers_from
 from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
 from peer.training.history import RoundHistory
@@ -54,6 +56,7 @@ class Peer:
         self.config = config
         self.stop_requested = threading.Event()
         self.dht = None
+        self.dialback: DialBackService | None = None
         self.membership: Membership | None = None
         self.sync: PathSync | None = None
         self.metrics: PeerMetrics | None = None
@@ -81,17 +84,26 @@ class Peer:
             announce_maddrs=cfg.announce_maddrs,
             identity_path=cfg.identity_path,
             client_mode=cfg.client_mode,
+            use_relay=cfg.use_relay,
+            use_auto_relay=cfg.use_auto_relay,
             run_name=cfg.run_name,
         )
         self.peer_id = str(self.dht.peer_id)
+        self.dialback = DialBackService(self.dht)
+        self.reachability = self.dialback.check(
+            self.dht, helpers_from(cfg.initial_peers), cfg.client_mode, cfg.use_auto_relay
+        )
+        logger.info(self.reachability.message)
         self.manifest, record = self._join_run()
         self.run_id = record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
+        self._check_memory()
         self.tokenizer = check_tokenizer(self.manifest)
         self._check_data()
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
+        self.membership.reachability = self.reachability.state
         if self.stop_requested.is_set():
             self.membership.request_stop()
         self.membership.read_claims()
@@ -141,6 +153,19 @@ class Peer:
         )
         publish_record(self.dht, self.key, record)
         return manifest, record
+
+    def _check_memory(self) -> None:
+        """Refuses a path that would not fit, before its model or optimizer is allocated."""
+        cfg, device = self.config, self.device
+        available = available_bytes(device.type, device.index)
+        cpu = available_bytes("cpu")
+        if cfg.max_memory_bytes is not None:
+            available, cpu = min(available, cfg.max_memory_bytes), min(cpu, cfg.max_memory_bytes)
+        estimate = check_path_fits(self.manifest, cfg.batch_size, device.type, available, cpu)
+        logger.info(
+            f"a path needs about {estimate.total_bytes(cfg.batch_size) / 2**20:.0f} MiB at batch size "
+            f"{cfg.batch_size}; {available / 2**20:.0f} MiB available on {device}"
+        )
 
     def _check_data(self) -> None:
         """Finds the run's data before anything is claimed. A run from the swarm that names local
@@ -337,5 +362,7 @@ class Peer:
             self.membership.shutdown()
         if self.metrics is not None:
             self.metrics.shutdown()
+        if self.dialback is not None:
+            self.dialback.shutdown()
         if self.dht is not None:
             self.dht.shutdown()

@@ -1,0 +1,165 @@
+"""Can other peers reach this one? A dial-back check at start-up, and the answer in one log line.
+
+A peer behind a NAT can join (it dials out) but nobody can dial it, so it cannot serve its modules
+to joiners. At start a peer asks one of its initial peers, over a handler of our own on hivemind's P2P
+(`pathswarm_dialback`), to open a plain TCP connection to each address the peer listens on. A
+connection from outside means "direct"; otherwise a `/p2p-circuit` address among the peer's own
+means it is reachable through that relay (libp2p circuit relay v2, `--use_auto_relay`); otherwise it
+is "unreachable" and the log says which port to open. The state goes into every claim
+(`ClaimRecord.reachability`), so the monitor can count peers by it.
+
+The helper dials at most `MAX_DIAL_ADDRESSES` addresses per request, each once, with a short
+timeout, and only TCP: it cannot be turned into a port scanner of any size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from peer.background_loop import BackgroundLoop
+
+logger = logging.getLogger(__name__)
+
+HANDLER = "pathswarm_dialback"
+MAX_DIAL_ADDRESSES = 8
+DIAL_TIMEOUT_SECONDS = 3.0
+#: how long a peer with --use_auto_relay waits for a relay reservation before it says it has none
+RELAY_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """One of "direct", "relay", "unreachable", "unknown", with the line that explains it."""
+
+    state: str
+    message: str
+
+
+def tcp_endpoint(maddr: str) -> tuple[str, int] | None:
+    try:
+        m = Multiaddr(maddr)
+        names = {p.name for p in m.protocols()}
+        if "p2p-circuit" in names or "tcp" not in names:
+            return None
+        host = next(m.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if p in names)
+        return host, int(m.value_for_protocol("tcp"))
+    except Exception:
+        return None
+
+
+def relay_of(maddr: str) -> str | None:
+    """The relay's peer id in `/.../p2p/RELAY/p2p-circuit/...`, or None for a direct address."""
+    parts = maddr.split("/")
+    if "p2p-circuit" not in parts:
+        return None
+    i = parts.index("p2p-circuit")
+    return parts[i - 1] if i >= 2 and parts[i - 2] == "p2p" else None
+
+
+class DialBackService:
+    """Serves dial-back requests and asks them, over a P2P replica on a background event loop."""
+
+    def __init__(self, dht: hivemind.DHT):
+        self._background = BackgroundLoop("dialback")
+        self._p2p = self._background.call(self._start(dht), timeout=30)
+
+    async def _start(self, dht: hivemind.DHT):
+        # a replica of our own: `dht.replicate_p2p()` hands every caller in this process one cached
+        # replica, whose handler listener then lives on the first caller's event loop; a second loop
+        # adding handlers to it (the probe service's) hangs
+        daemon = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
+        p2p = await P2P.replicate(daemon)
+        await p2p.add_protobuf_handler(HANDLER, self._serve, runtime_pb2.Tensor)
+        return p2p
+
+    @staticmethod
+    async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
+        try:
+            asked = [str(a) for a in json.loads(request.buffer.decode())][:MAX_DIAL_ADDRESSES]
+        except (ValueError, TypeError, UnicodeDecodeError):
+            asked = []
+        answered = []
+        for maddr in asked:
+            endpoint = tcp_endpoint(maddr)
+            if endpoint is None:
+                continue
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), DIAL_TIMEOUT_SECONDS)
+                writer.close()
+                answered.append(maddr)
+            except (TimeoutError, OSError):
+                continue
+        return runtime_pb2.Tensor(buffer=json.dumps(answered).encode())
+
+    async def _ask(self, helper: PeerID, addresses: list[str]) -> list[str]:
+        request = runtime_pb2.Tensor(buffer=json.dumps(addresses[:MAX_DIAL_ADDRESSES]).encode())
+        reply = await self._p2p.call_protobuf_handler(helper, HANDLER, request, runtime_pb2.Tensor)
+        return [str(a) for a in json.loads(reply.buffer.decode())]
+
+    def check(
+        self, dht: hivemind.DHT, helpers: list[str], client_mode: bool, auto_relay: bool
+    ) -> Reachability:
+        """Asks the helpers in turn to dial this peer back; the first answer decides."""
+        if client_mode:
+            return Reachability("unreachable", "not reachable: --client_mode accepts no connections")
+        own = [str(m) for m in dht.get_visible_maddrs()]
+        direct = [m for m in own if tcp_endpoint(m) is not None]
+        me = str(dht.peer_id)
+        answered = None
+        for helper in [h for h in helpers if h != me]:
+            try:
+                answered = self._background.call(
+                    self._ask(PeerID.from_base58(helper), direct),
+                    DIAL_TIMEOUT_SECONDS * MAX_DIAL_ADDRESSES + 5,
+                )
+                break
+            except Exception as e:
+                logger.info(f"dial-back check by {helper} failed: {type(e).__name__}: {e}")
+        if answered:
+            return Reachability("direct", f"reachable directly at {answered[0]}")
+        deadline = time.monotonic() + (RELAY_WAIT_SECONDS if auto_relay else 0.0)
+        while True:
+            relays = [r for m in dht.get_visible_maddrs() if (r := relay_of(str(m)))]
+            if relays:
+                return Reachability("relay", f"reachable through relay {relays[0]}")
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        if answered is None:
+            return Reachability(
+                "unknown", "reachability unknown: no initial peer answered the dial-back check"
+            )
+        ports = ", ".join(sorted({str(e[1]) for m in direct if (e := tcp_endpoint(m))})) or "(--host_maddrs)"
+        return Reachability(
+            "unreachable",
+            f"not reachable: open TCP port {ports} to this machine "
+            "(and give your public address in --announce_maddrs) or use a relay (--use_auto_relay)",
+        )
+
+    def shutdown(self) -> None:
+        async def cleanup():
+            await self._p2p.remove_protobuf_handler(HANDLER)
+            await self._p2p.shutdown()
+
+        self._background.stop(cleanup)
+
+
+def helpers_from(initial_peers: list[str]) -> list[str]:
+    """Peer ids named in --initial_peers, in order, without repeats."""
+    out: list[str] = []
+    for maddr in initial_peers:
+        parts = maddr.split("/")
+        if "p2p" in parts and parts.index("p2p") + 1 < len(parts):
+            pid = parts[parts.index("p2p") + 1]
+            if pid not in out:
+                out.append(pid)
+    return out
