@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return commands[args.command](args)
+    except TimeoutError:
+        raise  # an OSError by class, but a bug or a hang of ours, not the user's input: keep its traceback
     except (PathswarmError, OSError) as e:
         text = str(e).splitlines()[0] if str(e) else repr(e)
         print(f"pathswarm {args.command}: error: {text}", file=sys.stderr)
