@@ -101,6 +101,8 @@ class RoundRunner:
         self.settings = settings
         self.me = service.peer_id
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
+        #: bytes this peer sent for each round in flight (what its result reports)
+        self._sent: dict[Key, int] = {}
 
     def _keep(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -117,15 +119,18 @@ class RoundRunner:
 
     async def _run(self, key: Key, own: torch.Tensor, weight: float, members: list[str], state_digest: str):
         started = time.monotonic()
-        sent0, received0 = self.service.bytes_sent, self.service.bytes_received
+        # this round's own bytes: rounds of a path's modules run at once on one service, so the
+        # service's totals would count each other's traffic
+        self._sent[key] = 0
         try:
             result = await self._round(key, own, weight, members, state_digest)
         except Exception as e:  # a round must never kill the peer: it goes on with its own Δ
             logger.exception(f"round {key} failed")
             result = RoundResult("failed", own, 1, detail=f"{type(e).__name__}: {e}")
         result.seconds = time.monotonic() - started
-        result.bytes_sent = self.service.bytes_sent - sent0
-        result.bytes_received = self.service.bytes_received - received0
+        result.bytes_sent = self._sent.pop(key, 0)
+        deliveries = self.service.inbox.slot(key).deliveries
+        result.bytes_received = sum(d.wire_bytes for s, d in deliveries.items() if s != self.me)
         return result
 
     async def _round(self, key: Key, own: torch.Tensor, weight: float, members: list[str], state_digest: str):
@@ -193,7 +198,7 @@ class RoundRunner:
         while True:
             remaining = deadline - loop.time()
             try:
-                ack = await self.service.request(member, frames, max(0.1, remaining))
+                ack = await self.service.request(member, frames, max(0.1, remaining), self._sent, key)
             except Exception as e:  # unreachable, stalled, or gone: don't wait for it
                 failed[member] = f"unreachable ({type(e).__name__})"
                 break

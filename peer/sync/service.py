@@ -134,7 +134,9 @@ class SyncService:
 
     # --- outgoing ---------------------------------------------------------------------------------
 
-    async def request(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
+    async def request(
+        self, peer: str, frames: list[bytes], timeout: float, tally: dict | None = None, key=None
+    ) -> Ack:
         """Sends one request to `peer` and returns its final ACK; raises on any failure. A request of
         several frames is sent frame by frame, each only after the receiver said "go" to the one
         before: a refused header costs the sender no payload, and the receiver never closes a stream
@@ -150,6 +152,8 @@ class SyncService:
                         fault_point("sync.between_frames")
                     await wire.write(writer, frame)
                     self.bytes_sent += len(frame)
+                    if tally is not None and key in tally:  # bytes of one round (peer.sync.rounds)
+                        tally[key] += len(frame)
                     _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
                     self.bytes_received += len(body) + 5
                     ack = wire.parse(Ack, body)
