@@ -122,7 +122,7 @@ class PathSync:
                 r: n for r, n in refused.items() if r in ("shape", "dtype", "nonfinite", "norm")
             }
         if result.repair_from:
-            logger.warning(f"{ms.module_id}: our copy differs from the group's majority; repairing it")
+            logger.warning(f"{ms.module_id}: our copy differs from the one the group keeps; repairing it")
             self.fetch_state(ms, result.repair_from)
 
     def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
