@@ -48,9 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill_every_seconds", type=float, default=12.0)
     p.add_argument("--restart_after_seconds", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    args.rounds = max(args.rounds, 20) if "--rounds" not in (argv or []) else args.rounds
-    return args
+    p.set_defaults(rounds=20)  # long enough for several kills
+    return p.parse_args(argv)
 
 
 def _syncs(folder: Path) -> tuple[int, int, int]:
