@@ -16,7 +16,8 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from peer.monitor.view import SwarmView, top_peers
+from monitoring.metrics import BAD_PART_REASONS
+from peer.monitor.view import SYNC_OUTCOMES, SwarmView, top_peers
 
 #: peers whose last totals the counters remember (a departed peer that comes back must not be counted twice)
 MAX_REMEMBERED_PEERS = 8192
@@ -26,7 +27,14 @@ class SwarmTotals:
     """Monotonic swarm-wide counters built from peers' claimed since-start totals."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, dict[str, float]] = {"syncs": {}, "bad_parts": {}, "bytes": {}, "tokens": {}}
+        # every known label value exists from the start: rate() over a series that appears late misses
+        # its first increase, and a dashboard would show "no data" where the truth is zero
+        self.totals: dict[str, dict[str, float]] = {
+            "syncs": dict.fromkeys(SYNC_OUTCOMES, 0),
+            "bad_parts": dict.fromkeys(BAD_PART_REASONS, 0),
+            "bytes": {},
+            "tokens": {},
+        }
         self._last: OrderedDict[str, dict[tuple[str, str], float]] = OrderedDict()
 
     def _add(self, family: str, key: str, amount: float) -> None:
