@@ -127,8 +127,8 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
             swarm.start_peer(
                 name, peer_args(run_id, tmp_path / name, "--path", path, "--max_rounds", "1000", *metrics)
             )
-        monitor = ["--run", f"{RUN}@{run_id[:16]}", "--metrics_port", str(ports["monitor"]),
-                   "--host", "127.0.0.1", "--http_port", str(ports["page"]), "--interval_seconds", "1"]  # fmt: skip
+        monitor = ["--run", f"{RUN}@{run_id[:16]}", "--metrics_port", str(ports["monitor"]), "--host",
+                   "127.0.0.1", "--http_port", str(ports["page"]), "--interval_seconds", "1"]  # fmt: skip
         swarm.spawn(
             "monitor",
             ["monitor", "--initial_peers", *swarm.initial_peers, "--host_maddrs", LOOPBACK, *monitor],
@@ -150,9 +150,8 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
                     status = get_json(f"{page_url}/api/status")
                 except OSError:
                     return False
-                return status["peers"] and sorted(
-                    p["peer_id"] for p in status["peers"] if p["state"] == "training"
-                )
+                training = sorted(p["peer_id"] for p in status["peers"] or [] if p["state"] == "training")
+                return training if len(training) == 2 else None
 
             assert wait_for(both_training, 120, "the monitor to see both peers training", swarm) == sorted(
                 ids
@@ -191,7 +190,7 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
                 assert f'<span id="run">{RUN}</span>' in dom and "<svg" in dom
                 shot = tmp_path / "monitor.png"
                 chromium_run(
-                    f"--screenshot={shot}", "--window-size=1280,1500", f"{page_url}/?peer={ids[0][:12]}"
+                    f"--screenshot={shot}", "--window-size=1280,960", f"{page_url}/?peer={ids[0][:12]}"
                 )
                 assert shot.stat().st_size > 10_000
                 (REPO / "docs").mkdir(exist_ok=True)

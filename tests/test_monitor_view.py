@@ -120,3 +120,23 @@ def test_metric_names_pass_promtool_lint():
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
     assert b"pathswarm_swarm_modules_orphaned 1.0" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--run", "no way"], "--run"),
+        (["--run", "r@xyz"], "pin"),
+        (["--run", "r", "--http_port", "70000"], "--http_port"),
+        (["--run", "r", "--max_peer_series", "-1"], "--max_peer_series"),
+    ],
+)
+def test_bad_monitor_flags_fail_in_one_line_before_joining(flags, says):
+    import sys
+
+    cmd = [sys.executable, "-m", "peer", "monitor", "--initial_peers", "/ip4/127.0.0.1/tcp/9", *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
