@@ -130,7 +130,15 @@ def test_modules_stay_small_and_say_what_they_are():
 
 def test_only_the_cli_imports_the_monitor_and_the_monitor_reads_only_low_layers():
     modules = project_modules()
-    allowed = ("dht", "monitoring", "peer.config", "peer.errors", "peer.model.grid", "peer.run", "peer.monitor")
+    allowed = (
+        "dht",
+        "monitoring",
+        "peer.config",
+        "peer.errors",
+        "peer.model.grid",
+        "peer.run",
+        "peer.monitor",
+    )
     wrong = []
     for name, path in modules.items():
         for target in imports_of(path, modules):
