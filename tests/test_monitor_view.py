@@ -140,3 +140,20 @@ def test_bad_monitor_flags_fail_in_one_line_before_joining(flags, says):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], result.stderr
+
+
+def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
+    import re
+
+    from peer.monitor.page import MAX_PAGE_ROWS, render_page
+    from peer.monitor.status import status_dict
+
+    records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(400)]
+    status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records)), [])
+    page = render_page(status)
+    assert len(re.findall(r'<tr data-peer="', page)) == MAX_PAGE_ROWS
+    assert 'data-peer="Qm00000"' not in page  # the slowest peer is beyond the cap...
+    mine = render_page(status, mine="Qm00000")
+    assert '<tr data-peer="Qm00000" class="mine">' in mine  # ...until its owner searches for it
+    # nothing is loaded from elsewhere: no external scripts, styles, images or links but the JSON
+    assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["/api/status"]

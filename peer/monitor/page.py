@@ -11,6 +11,8 @@ from html import escape
 
 COLOURS = {0: "#d9534f", 1: "#f0ad4e"}  # no holder: red; one holder: amber; two or more: green
 HEALTHY = "#5cb85c"
+#: peer rows drawn on the page (a public run can have thousands); ?peer=ID finds any other one
+MAX_PAGE_ROWS = 300
 LINE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 STYLE = """
@@ -119,8 +121,12 @@ def charts(status: dict) -> str:
 
 
 def peers_table(status: dict, mine: str = "") -> str:
+    """Peers matching `mine` first, then training and fastest ones, at most MAX_PAGE_ROWS."""
+    ranked = sorted(status["peers"], key=lambda p: (not (mine and mine in p["peer_id"]),
+                                                    p["state"] != "training", -p["tokens_per_second"]))  # fmt: skip
+    shown = ranked[:MAX_PAGE_ROWS]
     rows = []
-    for p in status["peers"]:
+    for p in shown:
         failed = p["sync_outcomes"].get("failed", 0)
         bad = sum(p["bad_parts"].values())
         cls = ' class="mine"' if mine and mine in p["peer_id"] else ""
@@ -134,7 +140,12 @@ def peers_table(status: dict, mine: str = "") -> str:
         )
     head = "".join(f"<th>{h}</th>" for h in ("peer id", "path", "state", "tokens/s", "round", "loss",
                                               "reachability", "version", "averaged", "failed", "bad parts"))  # fmt: skip
-    return f'<table id="peers"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    note = (
+        f'<div class="sub">{len(shown)} of {len(ranked)} peers shown</div>'
+        if len(shown) < len(ranked)
+        else ""
+    )
+    return f'{note}<table id="peers"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
 def render_page(status: dict, mine: str = "") -> str:
@@ -161,7 +172,7 @@ def render_page(status: dict, mine: str = "") -> str:
 <h2>Paths × modules (holders)</h2>{grid_table(status)}
 <div class="sub">red: no training holder · amber: one holder (one departure from losing it) · green: 2+</div>
 <h2>Over time</h2>{charts(status)}
-<h2>Peers</h2><form method="get" onsubmit="findPeer();return false;">
+<h2>Peers</h2><form method="get">
 <input id="peer-search" name="peer" placeholder="your peer id (or a part of it)" value="{escape(mine)}" oninput="findPeer()">
 <span id="peer-found"></span></form>{peers_table(status, mine)}
 <script>{SCRIPT}</script></body></html>"""
