@@ -6,11 +6,10 @@ Two measurements, side by side in one run:
   paths, 4 fragments per module) as the DHT would hand them over (dicts): parse them, keep one per
   peer under `MAX_CLAIMS_PER_RUN`, build the view, publish it, render `/metrics`, the status JSON and
   the page. Everything a poll does except the network.
-* **dht** (100 and 1,000 peers by default): the same claims stored in a real local hivemind DHT, each
-  signed by its own 2048-bit RSA key (as every peer's is), and read by the monitor's real
+* **dht** (100, 1,000 and 10,000 peers by default): the same claims stored in a real local hivemind
+  DHT, each signed by its own 2048-bit RSA key (as every peer's is), and read by the monitor's real
   `SwarmPoller.poll()` from a second, client-mode node: DHT reads per poll and the poll's wall time.
-  10,000 real keys take about half an hour to generate on two cores; that row is extrapolated from the
-  per-claim read time and marked so.
+  Generating 10,000 keys takes 10+ minutes on two cores; give smaller `--dht_sizes` for a quick run.
 
 Writes DIR/monitor_cost.json, DIR/monitor_cost.md and DIR/monitor_cost.png.
 """
@@ -51,7 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.monitor_cost", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--sizes", default="100,1000,10000", help="simulated peers for the pipeline")
-    p.add_argument("--dht_sizes", default="100,1000", help="peers stored in a real DHT (one RSA key each)")
+    p.add_argument(
+        "--dht_sizes",
+        default="100,1000,2000,3000,4096,6000,10000",
+        help="claims stored in a real DHT, in steps",
+    )
     p.add_argument("--repeats", type=int, default=3)
     return p.parse_args(argv)
 
@@ -145,45 +148,51 @@ def _key(_: int) -> RSAPrivateKey:
     return RSAPrivateKey()  # pickled back to the parent (RSAPrivateKey has __getstate__)
 
 
-def time_dht(n: int, repeats: int) -> dict:
+def time_dht(sizes: list[int], repeats: int) -> dict[int, dict]:
+    """One writer node holds the claims of max(sizes) peers, stored in steps; after each step the
+    monitor's real poller reads them from a client-mode node `repeats` times."""
     started = time.perf_counter()
     with Pool(2) as pool:
-        keys = pool.map(_key, range(n))
+        keys = pool.map(_key, range(max(sizes)))
     keygen = time.perf_counter() - started
     m, record = manifest()
     schema = RecordSchemaValidator(RUN, record.run_id)
     loopback = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
     writer = hivemind.DHT(record_validators=[ManyOwners(keys), schema], **loopback)
     reader = None
+    out: dict[int, dict] = {}
     try:
-        rng = random.Random(n)
-        key = claims_key(RUN, record.run_id)
-        stored = time.perf_counter()
-        futures = [
-            writer.store(key, subkey=RSASignatureValidator(k).local_public_key,
-                         value=claim_for(peer_id_of_key(k), i, rng).model_dump(),
-                         expiration_time=get_dht_time() + 300, return_future=True)
-            for i, k in enumerate(keys)
-        ]  # fmt: skip
-        ok = sum(bool(f.result()) for f in futures)
-        store_seconds = time.perf_counter() - stored
         reader = hivemind.DHT(
             initial_peers=[str(a) for a in writer.get_visible_maddrs()], client_mode=True,
             record_validators=[RSASignatureValidator(RSAPrivateKey()), schema], **loopback,
         )  # fmt: skip
-        collector = SwarmCollector(100)
-        poller = SwarmPoller(reader, m, record, collector)
-        polls = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            view = poller.poll()
-            polls.append(time.perf_counter() - t)
-        return {
-            "peers": n, "stored": ok, "claims_in_view": len(view.peers), "keygen_seconds": round(keygen, 1),
-            "store_seconds": round(store_seconds, 2),
-            "dht_reads_per_poll": collector.stats.dht_reads // repeats,
-            "poll_seconds": round(min(polls), 4), "poll_seconds_all": [round(p, 4) for p in polls],
-        }  # fmt: skip
+        rng, key, done, ok = random.Random(0), claims_key(RUN, record.run_id), 0, 0
+        for n in sorted(sizes):
+            stored = time.perf_counter()
+            futures = [
+                writer.store(key, subkey=RSASignatureValidator(k).local_public_key,
+                             value=claim_for(peer_id_of_key(k), done + i, rng).model_dump(),
+                             expiration_time=get_dht_time() + 600, return_future=True)
+                for i, k in enumerate(keys[done:n])
+            ]  # fmt: skip
+            ok += sum(bool(f.result()) for f in futures)
+            store_seconds, done = time.perf_counter() - stored, n
+            collector = SwarmCollector(100)
+            poller = SwarmPoller(reader, m, record, collector)
+            polls, seen = [], []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                view = poller.poll()
+                polls.append(time.perf_counter() - t)
+                seen.append(view.claims_read)
+            out[n] = {
+                "peers": n, "stored": ok, "claims_read": seen, "claims_in_view": len(view.peers),
+                "keygen_seconds_all": round(keygen, 1), "store_seconds_step": round(store_seconds, 2),
+                "dht_reads_per_poll": collector.stats.dht_reads // repeats,
+                "poll_seconds": round(min(polls), 4), "poll_seconds_all": [round(p, 4) for p in polls],
+            }  # fmt: skip
+            print(f"dht: {out[n]}", flush=True)
+        return out
     finally:
         if reader is not None:
             reader.shutdown()
@@ -191,22 +200,24 @@ def time_dht(n: int, repeats: int) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| peers | claims in view | capped | parse s | view s | /metrics s | page s | pipeline s "
-             "| DHT reads/poll | real poll s | claim bytes per read |",
-             "|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["Pipeline (no network): simulated claims handed to the monitor as the DHT would.", "",
+             "| peers | claims in view | capped | parse s | view s | /metrics s | page s | pipeline s "
+             "| claim bytes per read |",
+             "|---:|---:|:-:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in result["pipeline"]:
-        d = result["dht"].get(str(row["peers"]))
         s = row["seconds"]
-        poll = (
-            f"{d['poll_seconds']:.3f}"
-            if d
-            else f"~{result['extrapolated_poll_seconds'][str(row['peers'])]:.2f} (extrap.)"
-        )
-        reads = str(d["dht_reads_per_poll"]) if d else "2"
         lines.append(f"| {row['peers']:,} | {row['claims_in_view']:,} | {'yes' if row['capped'] else 'no'} "
                      f"| {s['parse']:.4f} | {s['view']:.4f} | {s['metrics']:.4f} | {s['page']:.4f} "
-                     f"| {row['total_seconds']:.4f} | {reads} | {poll} "
-                     f"| {row['claim_value_bytes']:,} |")  # fmt: skip
+                     f"| {row['total_seconds']:.4f} | {row['claim_value_bytes']:,} |")  # fmt: skip
+    lines += ["", "Real DHT: claims signed by one RSA key each, read by the monitor (best poll).", "",
+              "| claims stored | DHT reads per poll | claims the monitor read | peers in its view | poll s |",
+              "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for n, d in sorted(result["dht"].items(), key=lambda kv: int(kv[0])):
+        read = "/".join(str(x) for x in d["claims_read"])
+        lines.append(
+            f"| {int(n):,} | {d['dht_reads_per_poll']} | {read} | {d['claims_in_view']:,} "
+            f"| {d['poll_seconds']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -221,7 +232,7 @@ def plot(result: dict, path: Path) -> None:
     ax.loglog(
         sizes, [r["total_seconds"] for r in result["pipeline"]], "o-", label="pipeline (parse, view, render)"
     )
-    dht = sorted((int(k), v["poll_seconds"]) for k, v in result["dht"].items())
+    dht = sorted((int(k), v["poll_seconds"]) for k, v in result["dht"].items() if v["claims_in_view"])
     if dht:
         ax.loglog(*zip(*dht, strict=True), "s-", label="real poll (DHT get + pipeline)")
     ax.axvline(MAX_CLAIMS_PER_RUN, color="grey", ls="--", label=f"MAX_CLAIMS_PER_RUN = {MAX_CLAIMS_PER_RUN}")
@@ -237,18 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     pipeline = [time_pipeline(int(n), args.repeats) for n in args.sizes.split(",")]
-    dht = {n: time_dht(int(n), args.repeats) for n in args.dht_sizes.split(",") if n}
-    result: dict = {"pipeline": pipeline, "dht": dht, "max_claims_per_run": MAX_CLAIMS_PER_RUN}
-    if dht:
-        biggest = max(dht.values(), key=lambda d: d["peers"])
-        pipe = {r["peers"]: r["total_seconds"] for r in pipeline}
-        # the DHT's share of a poll (transfer + signature checks) grows with the records stored, not
-        # with the cap: the monitor's own pipeline is then added on top
-        per_claim = max(0.0, biggest["poll_seconds"] - pipe.get(biggest["peers"], 0.0)) / biggest["peers"]
-        result["dht_seconds_per_claim"] = per_claim
-        result["extrapolated_poll_seconds"] = {str(r["peers"]): per_claim * r["peers"] + r["total_seconds"]
-                                               for r in pipeline}  # fmt: skip
-    result["dht"] = {str(k): v for k, v in dht.items()}
+    dht = time_dht([int(x) for x in args.dht_sizes.split(",") if x], args.repeats) if args.dht_sizes else {}
+    result: dict = {"pipeline": pipeline, "dht": {str(k): v for k, v in dht.items()},
+                    "max_claims_per_run": MAX_CLAIMS_PER_RUN}  # fmt: skip
     (args.out / "monitor_cost.json").write_text(json.dumps(result, indent=1))
     md = table(result)
     (args.out / "monitor_cost.md").write_text(md)
