@@ -14,7 +14,8 @@ circle):
    the streaming outer loop
 8. `swarm/` — manifest in the DHT, claims, probes, planning, a peer's membership
 9. `training/` — the inner step, the round history, the `Peer` (lifecycle and loop)
-10. `offline/` — research tools without a swarm: simulator, experiments, evaluation, export
+10. `offline/` — research tools without a swarm: simulator, experiments, evaluation, export;
+    `monitor/` — the swarm monitor (imports dht, monitoring, config, model.grid and run only)
 11. `cli/` — the `pathswarm` command, the demo and the local swarm launcher
 """
 

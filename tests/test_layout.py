@@ -30,6 +30,7 @@ LAYERS = {
     "peer.swarm": 8,
     "peer.training": 9,
     "peer.offline": 10,
+    "peer.monitor": 10,
     "peer.cli": 11,
     "peer.__main__": 11,
 }
@@ -125,3 +126,25 @@ def test_modules_stay_small_and_say_what_they_are():
                 undocumented.append(f"{name}.{node.name}")
     assert not too_long, too_long
     assert not undocumented, undocumented
+
+
+def test_only_the_cli_imports_the_monitor_and_the_monitor_reads_only_low_layers():
+    modules = project_modules()
+    allowed = (
+        "dht",
+        "monitoring",
+        "peer.config",
+        "peer.errors",
+        "peer.model.grid",
+        "peer.run",
+        "peer.monitor",
+    )
+    wrong = []
+    for name, path in modules.items():
+        for target in imports_of(path, modules):
+            inside = name == "peer.monitor" or name.startswith("peer.monitor.")
+            if target.startswith("peer.monitor") and not (inside or name.startswith("peer.cli")):
+                wrong.append(f"{name} imports {target}")
+            if inside and not any(target == a or target.startswith(a + ".") for a in allowed):
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, wrong

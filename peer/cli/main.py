@@ -1,4 +1,5 @@
-"""The `pathswarm` command line: peer, bootstrap, run create, demo, eval, generate, export, schedule, health.
+"""The `pathswarm` command line: peer, bootstrap, run create, demo, eval, generate, export, schedule,
+health, monitor.
 
 Every subcommand is thin: parse, build, run, shut down in `finally`. A `PathswarmError` (a mistake the
 person running the command can fix) or an OS error is one line on stderr and exit status 2; anything
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peer.cli import demo, health, model_commands, run_commands, schedule, swarm_commands
+from peer.cli import demo, health, model_commands, monitor_command, run_commands, schedule, swarm_commands
 from peer.cli.common import Handler
 from peer.errors import PathswarmError
 
@@ -19,7 +20,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     parser = argparse.ArgumentParser(prog="pathswarm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, Handler] = {}
-    for module in (swarm_commands, run_commands, demo, model_commands, schedule, health):
+    for module in (swarm_commands, run_commands, demo, model_commands, schedule, health, monitor_command):
         commands.update(module.register(sub))
     return parser, commands
 

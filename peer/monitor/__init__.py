@@ -1,0 +1,7 @@
+"""The swarm monitor (`pathswarm monitor`): a client-mode DHT node that reads a run's signed claims on
+an interval and shows the whole swarm as Prometheus metrics and a status page.
+
+`view` is the pure computation (claims -> swarm view), `exporter` the Prometheus collector, `poller`
+the DHT side, `page` and `status` the status page, `service` wires them together. It imports only
+`dht`, `monitoring`, `peer.config`, `peer.model.grid` and `peer.run`; only `peer.cli` imports it.
+"""

@@ -1,0 +1,138 @@
+"""The monitor's DHT side: find the run's verified manifest, then read its claims and keepers' stash
+records on an interval and hand each `SwarmView` to the exporter and the status page.
+
+The monitor is a client-mode DHT node: it reads, never claims, and is reachable by nobody. Every
+record it reads was validated by the DHT (signature, schema, expiry) and is parsed again here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import hivemind
+
+from dht.keys import claims_key, manifest_key, stash_key
+from dht.records import read_records
+from dht.schema import ClaimRecord, ManifestRecord, StashRecord
+from peer.config import RunManifest
+from peer.errors import SwarmError
+from peer.monitor.exporter import SwarmCollector
+from peer.monitor.view import SwarmView, build_view, select_claims
+from peer.run.record import verify_record
+
+logger = logging.getLogger(__name__)
+
+#: points of history the status page draws (one per poll: an hour at the default 10 s interval)
+HISTORY_POINTS = 360
+
+
+def find_manifest(
+    dht: hivemind.DHT, run_name: str, pin: str | None, timeout_seconds: float = 20.0
+) -> tuple[RunManifest, ManifestRecord]:
+    """The one verified manifest of `run_name` (starting with `pin` if given); several candidates are
+    an error that lists them, never a silent choice."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        candidates: dict[str, tuple[RunManifest, ManifestRecord]] = {}
+        for record, _ in read_records(dht, manifest_key(run_name), ManifestRecord):
+            try:
+                manifest = verify_record(record)
+            except ValueError:
+                continue
+            if manifest.name == run_name and (pin is None or record.run_id.startswith(pin)):
+                candidates[record.run_id] = (manifest, record)
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))
+        if len(candidates) > 1:
+            ids = ", ".join(f"{run_name}@{rid[:16]}" for rid in sorted(candidates))
+            raise SwarmError(f"several runs are named {run_name!r}; pin one with --run NAME@HASH: {ids}")
+        if time.monotonic() > deadline:
+            pinned = f" with hash {pin}..." if pin else ""
+            raise SwarmError(f"no verified manifest for run {run_name!r}{pinned} in the DHT")
+        time.sleep(0.5)
+
+
+@dataclass
+class HistoryPoint:
+    """One poll's headline numbers, for the status page's charts."""
+
+    time: float
+    tokens_per_second: float
+    max_round_spread: int
+    loss_by_path: dict[int, float] = field(default_factory=dict)
+    peers: int = 0
+
+
+class SwarmPoller:
+    """Polls the run's records every `interval_seconds` from a daemon thread."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        manifest: RunManifest,
+        record: ManifestRecord,
+        collector: SwarmCollector,
+        interval_seconds: float = 10.0,
+    ):
+        self.dht, self.manifest, self.run_id = dht, manifest, record.run_id
+        self.collector = collector
+        self.interval_seconds = interval_seconds
+        self.history: deque[HistoryPoint] = deque(maxlen=HISTORY_POINTS)
+        self.view: SwarmView | None = None
+        self.stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> SwarmView:
+        """One cycle: two DHT reads (claims, stash), the view, the exporter and the history updated."""
+        started = time.perf_counter()
+        name, reads = self.manifest.name, 0
+        try:
+            reads += 1
+            records = read_records(self.dht, claims_key(name, self.run_id), ClaimRecord)
+            reads += 1
+            stash = [r for r, _ in read_records(self.dht, stash_key(name, self.run_id), StashRecord)]
+        except Exception:
+            self.collector.poll_failed(reads)
+            raise
+        view = build_view(name, self.run_id, self.manifest.model, select_claims(records), stash)
+        seconds = time.perf_counter() - started
+        self.collector.publish(view, seconds, reads)
+        spread = max(view.module_round_spread.values(), default=0)
+        with self._lock:
+            self.view = view
+            self.history.append(
+                HistoryPoint(
+                    time.time(), view.tokens_per_second, spread, dict(view.loss_by_path), len(view.peers)
+                )
+            )
+        return view
+
+    def snapshot(self) -> tuple[SwarmView | None, list[HistoryPoint]]:
+        with self._lock:
+            return self.view, list(self.history)
+
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                view = self.poll()
+                logger.info(
+                    f"{len(view.peers)} peers, {view.tokens_per_second:.0f} tokens/s, "
+                    f"orphaned {view.orphaned}, under-replicated {view.under_replicated}"
+                )
+            except Exception as e:  # a failed poll is counted and retried, the monitor stays up
+                logger.warning(f"poll failed: {e!r}")
+            self.stop_event.wait(self.interval_seconds)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="swarm-poller", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)

@@ -1,0 +1,159 @@
+"""The swarm monitor's view and metrics from real ClaimRecords: states, holders, orphaned and
+under-replicated modules, fragment lag, monotonic swarm totals, capped per-peer series, naming."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dht.schema import ClaimRecord, KeptModule, StashRecord
+from peer.model.grid import ModelConfig
+from peer.monitor.exporter import SwarmCollector, make_registry
+from peer.monitor.view import build_view, select_claims
+
+GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
+# path 0 = trunk l0m0 l1m0, 1 = trunk l0m0 l1m1, 2 = trunk l0m1 l1m0, 3 = trunk l0m1 l1m1
+
+
+def claim(peer: str, path: int, modules: list[str], **kw) -> ClaimRecord:
+    return ClaimRecord(peer_id=peer, path=path, modules=modules, **kw)
+
+
+def swarm() -> list[tuple[ClaimRecord, float]]:
+    records = [
+        claim("QmA", 0, ["trunk", "l0m0", "l1m0"], tokens_per_second=100.0, loss=3.0, step=40,
+              module_rounds={"trunk": [4, 4], "l0m0": [4, 3], "l1m0": [4, 4]},
+              sync_outcomes={"averaged": 5, "failed": 1}, bad_parts={"norm": 2}, bytes_sent=1000,
+              software_version="0.3.0", reachability="direct", tokens_total=4000),
+        claim("QmB", 1, ["trunk", "l0m0", "l1m1"], tokens_per_second=50.0, loss=2.0, step=30,
+              module_rounds={"trunk": [1, 1], "l0m0": [1, 1], "l1m1": [1, 1]},
+              sync_outcomes={"averaged": 3, "weird": 9}, software_version="0.2.0", reachability="relay"),
+        claim("QmC", 2, ["trunk", "l0m1", "l1m0"], ready=False, tokens_per_second=70.0),
+        claim("QmD", 3, ["trunk", "l0m1", "l1m1"], leaving=True, tokens_per_second=10.0),
+    ]  # fmt: skip
+    return [(r, 1e12) for r in records]
+
+
+def test_view_counts_states_holders_orphans_and_lag():
+    view = build_view("r", "f" * 64, GRID, select_claims(swarm()))
+    assert view.by_state == {"joining": 1, "training": 2, "leaving": 1}
+    assert view.path_holders == {0: 1, 1: 1, 2: 0, 3: 0}
+    # only ready, staying peers hold a module: C is catching up, D is leaving
+    assert view.module_holders == {"trunk": 2, "l0m0": 2, "l0m1": 0, "l1m0": 1, "l1m1": 1}
+    assert view.orphaned == ["l0m1"]
+    assert view.under_replicated == ["l0m1", "l1m0", "l1m1"]
+    assert view.uncovered_paths == [2, 3]
+    # fragment 0 of trunk: 4 vs 1 -> 3; l0m0: [4,3] vs [1,1] -> max(3, 2)
+    assert view.module_round_spread == {"trunk": 3, "l0m0": 3, "l0m1": 0, "l1m0": 0, "l1m1": 0}
+    assert view.tokens_per_second == 150.0
+    assert view.loss_by_path == {0: 3.0, 1: 2.0}
+    # totals are summed over every live peer; a key no pathswarm peer writes is filed as "other"
+    assert view.sync_outcomes == {"averaged": 8, "failed": 1, "other": 9}
+    assert view.bad_parts == {"norm": 2}
+    assert view.by_version == {"0.3.0": 1, "0.2.0": 1, "unknown": 2}
+    assert view.by_reachability == {"direct": 1, "relay": 1, "unreachable": 0, "unknown": 2}
+    assert view.grid[2] == {"trunk": 2, "l0m1": 0, "l1m0": 1}
+
+
+def test_claim_view_is_capped_and_keeps_one_claim_per_peer():
+    records = [(claim(f"Qm{i:05d}", 0, ["trunk"]), 1e12) for i in range(50)]
+    records.append((claim("Qm00003", 0, ["trunk"], step=99), 1e12))
+    selected = select_claims(records, cap=10)
+    assert selected.capped and selected.records_read == 51
+    # ten records kept, two of them the same peer's: nine peers
+    assert sorted(selected.claims) == [f"Qm{i:05d}" for i in range(9)]
+    assert selected.claims["Qm00003"].step == 99
+
+
+def test_keepers_count_as_kept_copies_not_holders():
+    stash = [StashRecord(peer_id="QmK", modules={"l0m1": KeptModule(fragment_rounds=[3], digest="a" * 64)})]
+    view = build_view("r", "f" * 64, GRID, select_claims(swarm()), stash)
+    assert view.module_kept["l0m1"] == 1 and view.module_holders["l0m1"] == 0
+
+
+def scrape(collector: SwarmCollector) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(generate_latest(make_registry(collector)).decode()):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_swarm_counters_only_grow_while_peers_restart_and_leave():
+    collector = SwarmCollector()
+    collector.publish(build_view("r", "f" * 64, GRID, select_claims(swarm())), 0.1, 2)
+    first = scrape(collector)
+    assert first["pathswarm_swarm_syncs_total"][(("outcome", "averaged"),)] == 8
+    # A restarted (counts from zero again, now 2), B gone: the swarm total grows by A's new 2
+    restarted = [(claim("QmA", 0, ["trunk"], sync_outcomes={"averaged": 2}), 1e12)]
+    collector.publish(build_view("r", "f" * 64, GRID, select_claims(restarted)), 0.1, 2)
+    second = scrape(collector)
+    assert second["pathswarm_swarm_syncs_total"][(("outcome", "averaged"),)] == 10
+    assert second["pathswarm_monitor_dht_reads_total"][()] == 4
+    # the departed peer's series went with it
+    peers = {dict(k)["peer_id"] for k in second["pathswarm_swarm_peer_info"]}
+    assert peers == {"QmA"}
+
+
+def test_per_peer_series_are_capped_and_the_rest_counted():
+    records = [(claim(f"Qm{i:04d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(30)]
+    collector = SwarmCollector(max_peer_series=5)
+    collector.publish(build_view("r", "f" * 64, GRID, select_claims(records)), 0.1, 2)
+    metrics = scrape(collector)
+    shown = {dict(k)["peer_id"] for k in metrics["pathswarm_swarm_peer_tokens_per_second"]}
+    assert shown == {f"Qm{i:04d}" for i in range(25, 30)}  # the fastest
+    assert metrics["pathswarm_swarm_peer_series_omitted"][()] == 25
+
+
+@pytest.mark.timeout(60)
+def test_metric_names_pass_promtool_lint():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package `prometheus`)")
+    collector = SwarmCollector()
+    collector.publish(build_view("r", "f" * 64, GRID, select_claims(swarm())), 0.1, 2)
+    text = generate_latest(make_registry(collector))
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
+    assert b"pathswarm_swarm_modules_orphaned 1.0" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--run", "no way"], "--run"),
+        (["--run", "r@xyz"], "pin"),
+        (["--run", "r", "--http_port", "70000"], "--http_port"),
+        (["--run", "r", "--max_peer_series", "-1"], "--max_peer_series"),
+    ],
+)
+def test_bad_monitor_flags_fail_in_one_line_before_joining(flags, says):
+    import sys
+
+    cmd = [sys.executable, "-m", "peer", "monitor", "--initial_peers", "/ip4/127.0.0.1/tcp/9", *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+
+
+def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
+    import re
+
+    from peer.monitor.page import MAX_PAGE_ROWS, render_page
+    from peer.monitor.status import status_dict
+
+    records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(400)]
+    status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records)), [])
+    page = render_page(status)
+    assert len(re.findall(r'<tr data-peer="', page)) == MAX_PAGE_ROWS
+    assert 'data-peer="Qm00000"' not in page  # the slowest peer is beyond the cap...
+    mine = render_page(status, mine="Qm00000")
+    assert '<tr data-peer="Qm00000" class="mine">' in mine  # ...until its owner searches for it
+    # nothing is loaded from elsewhere: no external scripts, styles, images or links but the JSON
+    assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["/api/status"]
