@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill_every_seconds", type=float, default=12.0)
     p.add_argument("--restart_after_seconds", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(rounds=20)  # long enough for several kills
+    p.set_defaults(rounds=80)  # long enough for several kills
     return p.parse_args(argv)
 
 
