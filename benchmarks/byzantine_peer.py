@@ -43,9 +43,10 @@ def install(attack: str) -> None:
     honest_start = RoundRunner.start
     gen = torch.Generator().manual_seed(1234)
 
-    def start(self, key, delta, weight, members, state_digest):
+    def start(self, key, delta, weight, members, state_digest, payload=None):
         forged, claimed = forge(delta.detach().to(torch.float32), float(weight), gen)
         assert math.isfinite(claimed)
+        # an encoded payload of the honest Δ is dropped: the runner encodes the forged one
         return honest_start(self, key, forged, claimed, members, state_digest)
 
     RoundRunner.start = start

@@ -238,14 +238,18 @@ class StreamingOuter:
                 ms.keep_unsent(fragment, delta, None)  # applied whole: nothing is left unsent
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
+            payload = None
             if feedback:
-                # the runner sends exactly these bytes (encoding is deterministic on this peer)
-                sent = codec.decode(codec.encode(delta), delta.numel()).view_as(delta)
-                ms.keep_unsent(fragment, delta, sent)
+                # encoded once here: the unsent rest is what these bytes leave out, and the runner
+                # sends exactly them
+                payload = codec.encode(delta)
+                ms.keep_unsent(fragment, delta, codec.decode(payload, delta.numel()).view_as(delta))
             key = (mid, fragment, ms.fragment_rounds[fragment])
             pending.deltas[mid] = delta
             pending.epochs[mid] = ms.epoch
-            pending.futures[mid] = self.runner.start(key, delta, weight, members, ms.digest(fragment))
+            pending.futures[mid] = self.runner.start(
+                key, delta, weight, members, ms.digest(fragment), payload
+            )
         self.pending.append(pending)
 
     def _finish(self, pending: PendingSync, step: int) -> FragmentDone:

@@ -110,20 +110,36 @@ class RoundRunner:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    def start(self, key: Key, delta: torch.Tensor, weight: float, members: list[str], state_digest: str):
+    def start(
+        self,
+        key: Key,
+        delta: torch.Tensor,
+        weight: float,
+        members: list[str],
+        state_digest: str,
+        payload: bytes | None = None,
+    ):
         """Starts a round in the background; returns a concurrent future of its `RoundResult`."""
         own = delta.detach().to(torch.float32).reshape(-1).clone()
         return self.service.submit(
-            self._run(key, own, float(weight), sorted(set(members) | {self.me}), state_digest)
+            self._run(key, own, float(weight), sorted(set(members) | {self.me}), state_digest, payload)
         )
 
-    async def _run(self, key: Key, own: torch.Tensor, weight: float, members: list[str], state_digest: str):
+    async def _run(
+        self,
+        key: Key,
+        own: torch.Tensor,
+        weight: float,
+        members: list[str],
+        state_digest: str,
+        payload: bytes | None = None,
+    ):
         started = time.monotonic()
         # this round's own bytes: rounds of a path's modules run at once on one service, so the
         # service's totals would count each other's traffic
         self._sent[key] = 0
         try:
-            result = await self._round(key, own, weight, members, state_digest)
+            result = await self._round(key, own, weight, members, state_digest, payload)
         except Exception as e:  # a round must never kill the peer: it goes on with its own Δ
             logger.exception(f"round {key} failed")
             result = RoundResult("failed", own, 1, detail=f"{type(e).__name__}: {e}")
@@ -133,10 +149,19 @@ class RoundRunner:
         result.bytes_received = sum(d.wire_bytes for s, d in deliveries.items() if s != self.me)
         return result
 
-    async def _round(self, key: Key, own: torch.Tensor, weight: float, members: list[str], state_digest: str):
+    async def _round(
+        self,
+        key: Key,
+        own: torch.Tensor,
+        weight: float,
+        members: list[str],
+        state_digest: str,
+        payload: bytes | None,
+    ):
         loop = asyncio.get_running_loop()
         inbox = self.service.inbox
-        payload = await loop.run_in_executor(None, self.codec.encode, own)
+        if payload is None:
+            payload = await loop.run_in_executor(None, self.codec.encode, own)
         mine = Delivery(
             self.me,
             weight,
