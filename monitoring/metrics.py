@@ -109,6 +109,11 @@ class PeerMetrics:
             "Modules this peer had to start from initial weights although the run had progressed.",
             registry=r,
         )
+        self.copies_merged_total = Counter(
+            "pathswarm_copies_merged",
+            "Module fragments whose group held diverged copies with no majority and merged them.",
+            registry=r,
+        )
         self.checkpoint_failures = Counter(
             "pathswarm_checkpoint_failures",
             "Checkpoints that could not be written (a full disk); training went on.",
@@ -202,6 +207,9 @@ class PeerMetrics:
 
     def module_reset(self) -> None:
         self.modules_reset.inc()
+
+    def copies_merged(self) -> None:
+        self.copies_merged_total.inc()
 
     def checkpoint_failed(self) -> None:
         self.checkpoint_failures.inc()

@@ -94,21 +94,25 @@ def _round_with_copies(members, copies: list[str], round_index: int = 0):
     return [f.result(timeout=60) for f in futures]
 
 
-def test_copies_that_differ_are_repaired_from_a_majority_or_after_a_healed_split_from_one_camp(dht_factory):
+def test_a_copy_outside_a_majority_is_repaired_and_copies_without_one_are_merged(dht_factory):
     a, b = "a" * 64, "b" * 64
     with sync_group(dht_factory, 4, NUMEL) as members:
         ids = [m.peer_id for m in members]
-        # three agree: the odd one out repairs from them, nobody else does
+        # three agree: the odd one out repairs from them, nobody else does, nothing is merged
         results = _round_with_copies(members, [a, a, a, b])
         assert [r.repair_from for r in results] == [[], [], [], sorted(ids[:3])]
-        # a healed partition, two against two: the camp with the larger digest repairs from the other
-        results = _round_with_copies(members, [b, a, b, a], round_index=1)
-        camp_a = sorted([ids[1], ids[3]])
-        assert [r.repair_from for r in results] == [camp_a, [], camp_a, []]
+        assert all(not r.merge_with for r in results)
+        # a healed partition, two against two: no camp is picked, every member merges all copies
+        copies = [b, a, b, a]
+        results = _round_with_copies(members, copies, round_index=1)
+        assert [r.repair_from for r in results] == [[]] * 4
+        for me, r in enumerate(results):
+            assert r.merge_with == {p: c for i, (p, c) in enumerate(zip(ids, copies, strict=True)) if i != me}
     with sync_group(dht_factory, 2, NUMEL) as pair:
-        # one against one: a lone peer never wins a tie (it could grind a small digest)
+        # one against one: neither copy wins (a lone peer could grind a small digest); both merge
         results = _round_with_copies(pair, [b, a])
         assert [r.repair_from for r in results] == [[], []]
+        assert [sorted(r.merge_with.values()) for r in results] == [[a], [b]]
 
 
 def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht_factory):

@@ -153,3 +153,23 @@ def aggregate(contributions: Sequence[Contribution], config: AggregatorConfig) -
     else:
         raise ValueError(f"unknown aggregator {method!r}; choose one of {', '.join(AGGREGATORS)}")
     return result.astype(np.float32)
+
+
+def combine_copies(copies: Sequence[tuple[str, np.ndarray]], iterations: int = 3) -> np.ndarray:
+    """One copy from the diverged copies of a fragment's state (θ̄ or momentum) that a group holds with
+    no majority among them, e.g. the halves of a healed partition: the plain mean of two; from three
+    on, CenteredClip from the coordinate-wise median with equal weights, so one member's copy moves
+    the result by at most the median distance of the copies from it. No norm clipping: these are
+    states, not gradients. Inputs are ordered by peer id, so every member computes the same bits."""
+    if not copies:
+        raise ValueError("nothing to combine")
+    ordered = [x for _, x in sorted(copies, key=lambda c: c[0])]
+    if len({x.shape for x in ordered}) != 1:
+        raise ValueError("copies of different shapes")
+    n = len(ordered)
+    if n == 1:
+        return ordered[0].astype(np.float32)
+    weights = [1.0 / n] * n
+    if n == 2:
+        return _weighted_sum(ordered, weights).astype(np.float32)
+    return _centered_clip(ordered, weights, iterations).astype(np.float32)

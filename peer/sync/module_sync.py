@@ -140,6 +140,21 @@ class ModuleSync:
         self.fragment_rounds[fragment] += 1
         self._digests[fragment] = None
 
+    def fragment_copy(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fragment's θ̄ and outer momentum (replaced, never written in place, by a round)."""
+        return self.global_flats[fragment], self.momenta[fragment]
+
+    @torch.no_grad()
+    def load_fragment_copy(self, fragment: int, theta: torch.Tensor, momentum: torch.Tensor) -> None:
+        """Replaces one fragment's θ̄ and momentum (a merge of diverged copies, `peer.sync.merge`)."""
+        ref = self.global_flats[fragment]
+        for t in (theta, momentum):
+            if t.numel() != ref.numel() or not torch.isfinite(t).all():
+                raise StateRejected(f"{self.module_id} fragment {fragment}: merged copy of the wrong size")
+        self.global_flats[fragment] = theta.detach().to(torch.float32).reshape(ref.shape).clone()
+        self.momenta[fragment] = momentum.detach().to(torch.float32).reshape(ref.shape).clone()
+        self._digests[fragment] = None
+
     @torch.no_grad()
     def load_local_from_global(self) -> None:
         for f, g in enumerate(self.global_flats):

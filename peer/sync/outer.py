@@ -38,6 +38,11 @@ GroupOf = Callable[[str, int], tuple[int, list[str]] | None]
 Applied = Callable[[ModuleSync, int, RoundResult], None]
 #: called when other holders are past a round of ours: fetch their state; True if it was loaded
 Behind = Callable[[ModuleSync, list[str]], bool]
+#: called when a module fragment's round starts, with the digest of the copy it reports
+Started = Callable[[ModuleSync, int, str], None]
+#: called before a round is applied whose group held diverged copies with no majority: merge ours
+#: (the one with this digest) with theirs (peer -> digest)
+Merge = Callable[[ModuleSync, int, str, dict[str, str]], None]
 
 
 def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
@@ -59,6 +64,8 @@ class PendingSync:
     deltas: dict[str, object] = field(default_factory=dict)
     #: each module's state epoch at the start: a round started before a download does not apply
     epochs: dict[str, int] = field(default_factory=dict)
+    #: each module's digest of the copy it reported at the start
+    digests: dict[str, str] = field(default_factory=dict)
     results: dict[str, RoundResult] = field(default_factory=dict)
 
 
@@ -177,6 +184,8 @@ class StreamingOuter:
         self.runner: RoundRunner | None = None
         self.on_applied: Applied | None = None
         self.on_behind: Behind | None = None
+        self.on_started: Started | None = None
+        self.on_merge: Merge | None = None
         #: position in the sync schedule, in inner steps; equal on holders in step (not the step count)
         self.clock = 0
         self.pending: list[PendingSync] = []
@@ -245,11 +254,13 @@ class StreamingOuter:
                 payload = codec.encode(delta)
                 ms.keep_unsent(fragment, delta, codec.decode(payload, delta.numel()).view_as(delta))
             key = (mid, fragment, ms.fragment_rounds[fragment])
+            digest = ms.digest(fragment)
+            if self.on_started is not None:
+                self.on_started(ms, fragment, digest)
             pending.deltas[mid] = delta
             pending.epochs[mid] = ms.epoch
-            pending.futures[mid] = self.runner.start(
-                key, delta, weight, members, ms.digest(fragment), payload
-            )
+            pending.digests[mid] = digest
+            pending.futures[mid] = self.runner.start(key, delta, weight, members, digest, payload)
         self.pending.append(pending)
 
     def _finish(self, pending: PendingSync, step: int) -> FragmentDone:
@@ -281,6 +292,8 @@ class StreamingOuter:
                 # the error feedback assumed our sparse part went into the group's Δ̄: it did not
                 unsent = r.outcome == "excluded"
                 ms.keep_unsent(fragment, pending.deltas[mid], torch.zeros(()) if unsent else None)
+            if r.merge_with and self.on_merge is not None:
+                self.on_merge(ms, fragment, pending.digests[mid], r.merge_with)
             ms.apply(fragment, r.delta, self.sync.mixing_alpha)
             if self.on_applied is not None:
                 self.on_applied(ms, fragment, r)

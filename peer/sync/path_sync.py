@@ -27,6 +27,7 @@ from peer.seeding import stable_seed
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import Inbox
+from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
 from peer.sync.rounds import RoundResult, RoundRunner, RoundSettings
@@ -68,6 +69,11 @@ class PathSync:
         self.outer = StreamingOuter(self.syncs, manifest, peer_id, metrics, group_of, round_of)
         self.outer.on_applied = self._applied
         self.outer.on_behind = self._behind
+        self.outer.on_started = self._started
+        self.outer.on_merge = self._merge
+        sync = manifest.sync
+        # long enough for every member of a round to download the copy we reported in it
+        self.copies = ReportedCopies(2 * (sync.averaging_timeout_seconds + sync.report_timeout_seconds) + 60)
         self.history = StateHistory()
         self.service: SyncService | None = None
         self._refused_seen: Counter[str] = Counter()
@@ -90,6 +96,7 @@ class PathSync:
         )
         self.service = SyncService(dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30)
         install_state_handlers(self.service, self._snapshot, self.history)
+        install_copy_handler(self.service, self.copies)
         aggregator = AggregatorConfig(
             method=sync.aggregator, weight_cap=sync.weight_cap, norm_cap=sync.norm_cap
         )
@@ -124,6 +131,31 @@ class PathSync:
         if result.repair_from:
             logger.warning(f"{ms.module_id}: our copy differs from the one the group keeps; repairing it")
             self.fetch_state(ms, result.repair_from)
+
+    def _started(self, ms: ModuleSync, fragment: int, digest: str) -> None:
+        self.copies.forget_old()
+        self.copies.remember(ms.module_id, fragment, digest, ms.fragment_copy(fragment))
+
+    def _merge(self, ms: ModuleSync, fragment: int, own_digest: str, reported: dict[str, str]) -> None:
+        own = self.copies.find(ms.module_id, fragment, own_digest)
+        if own is None or self.service is None:
+            logger.warning(f"{ms.module_id} fragment {fragment}: our reported copy is gone; not merging")
+            return
+        timeout = self.manifest.sync.averaging_timeout_seconds + self.manifest.sync.report_timeout_seconds
+        coro = merged_copy(self.service, ms.module_id, fragment, own, own_digest, reported, timeout)
+        try:
+            (theta, momentum), used = self.service.call(coro, timeout + 30)
+            ms.load_fragment_copy(fragment, theta, momentum)
+        except Exception as e:
+            logger.error(
+                f"{ms.module_id} fragment {fragment}: merging copies failed: {type(e).__name__}: {e}"
+            )
+            return
+        self.metrics.copies_merged()
+        logger.warning(
+            f"{ms.module_id} fragment {fragment}: the group's copies differed with no majority "
+            f"({len(set(reported.values()) | {own_digest})} copies); merged those of {len(used)} members"
+        )
 
     def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
         fetched = self.fetch_state(ms, ahead)

@@ -16,9 +16,10 @@ view it already keeps, so a round starts the moment a member's outer gradient is
 
 A member whose own Δ was left out (it was late) applies the others' aggregate all the same, which
 keeps it in step. The reports' copy digests tell a member whose copy differs from a strict majority
-of the group (or, in a tie of camps, from the camp with the smallest digest) that it must repair it
-(`repair_from`). What a member cannot know (whether a report it
-never got would have changed its agreed set) is caught the next round by those digests.
+of the group that it must repair it (`repair_from`); where the copies differ and none has a strict
+majority (a healed partition, a split cut mid-round), every member merges them all before applying
+the round (`merge_with`, `peer.sync.merge`). What a member cannot know (whether a report it never
+got would have changed its agreed set) is caught the next round by those digests.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class RoundResult:
     bad_parts: dict[str, int] = field(default_factory=dict)
     #: members that had already applied this round: we are behind them and must fetch their state
     ahead: list[str] = field(default_factory=list)
+    #: the copies differ with no strict majority: merge ours with these members' (peer -> the digest
+    #: of the copy it reported) before applying the round
+    merge_with: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,15 +85,11 @@ class RoundSettings:
 
 
 def _group_copy(digests: Counter, holders: int) -> str | None:
-    """The copy the group keeps: a strict majority's; in a tie between the largest camps of at least
-    two holders each (a partition that healed: two halves in step with themselves), the smallest
-    digest, an arbitrary rule every member applies alike. A lone holder never wins a tie, so one
-    hostile peer cannot make another download its state by grinding a small digest."""
+    """The copy a strict majority of the group holds, if any. Without one, no copy is picked: a rule
+    over claimed digests could be gamed by a member that grinds a small one, and would throw the other
+    camps' work away; the copies are merged instead."""
     top, count = digests.most_common(1)[0]
-    if count * 2 > holders:
-        return top
-    tied = sorted(d for d, c in digests.items() if c == count)
-    return tied[0] if count >= 2 and len(tied) > 1 else None
+    return top if count * 2 > holders else None
 
 
 class RoundRunner:
@@ -270,6 +270,9 @@ class RoundRunner:
         top = _group_copy(digests, holders)
         if top is not None and top != state_digest:
             repair = sorted(p for p, r in reports.items() if r.state_digest == top)
+        merge_with = {}
+        if top is None:  # several copies, none held by a strict majority
+            merge_with = {p: r.state_digest for p, r in reports.items()}
         if self.me not in agreed:
             outcome = "excluded"
         elif len(agreed) == 1:
@@ -281,5 +284,5 @@ class RoundRunner:
         late = "our outer gradient did not reach every member in time"
         return RoundResult(
             outcome, aggregated, len(agreed), members=agreed, dropped=dropped, repair_from=repair,
-            detail=late if outcome == "excluded" else "",
+            merge_with=merge_with, detail=late if outcome == "excluded" else "",
         )  # fmt: skip

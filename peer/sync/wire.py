@@ -37,6 +37,7 @@ class Kind(enum.IntEnum):
     PAYLOAD = 6
     ACK = 7
     KEEP = 8  # Keep: "take my state of this module now" (a last holder leaving); answered with an ACK
+    COPY_REQUEST = 9  # CopyRequest; answered with an ACK, then (if ok) θ̄ and momentum as two PAYLOADs
 
 
 class WireError(ValueError):
@@ -127,6 +128,15 @@ class Keep(Header):
     """A holder about to leave asks a keeper to take its state of `module` before it goes."""
 
     module: str = Field(max_length=16)
+
+
+class CopyRequest(Header):
+    """Asks a member for the copy of one fragment it reported in a round: the copy whose state digest
+    is `digest` (`peer.sync.merge`)."""
+
+    module: str = Field(max_length=16)
+    fragment: int = Field(ge=0, le=4096)
+    digest: str = Field(min_length=64, max_length=64)
 
 
 class Ack(BaseModel):

@@ -1,0 +1,160 @@
+"""Copies of a fragment that diverged with no majority among them, merged into one.
+
+A round's reports carry each member's digest of its copy before the round (`peer.sync.rounds`). A
+copy outside a strict majority is repaired from the majority; but a partition cut in the middle of a
+round, or a healed split, can leave a group where no copy has a majority — two halves, or every
+member on its own copy. Picking one of them by some rule would throw away the other members' work,
+and any rule over claimed digests can be gamed by a member that grinds its digest. Instead every
+member downloads the copy each other member *reported* (checked against that digest, so nobody can
+substitute another) and combines all of them with `aggregate.combine_copies` (a robust mean),
+before the round's aggregate is applied. Members that saw the same reports and got the same copies
+end with the same bits; any that did not are caught again by the next round's digests.
+
+Each member keeps the copy it reported until a while after the round (`ReportedCopies`), since
+others download it after the round ended for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from peer.sync import wire
+from peer.sync.aggregate import combine_copies
+from peer.sync.module_sync import state_digest
+from peer.sync.service import SyncService
+from peer.sync.wire import Ack, Kind
+
+logger = logging.getLogger(__name__)
+
+Copy = tuple[torch.Tensor, torch.Tensor]  # a fragment's θ̄ and outer momentum
+
+
+class ReportedCopies:
+    """The copy of each (module, fragment) this peer reported in its latest round, for a while."""
+
+    def __init__(self, keep_seconds: float):
+        self.keep_seconds = keep_seconds
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[str, int], tuple[str, Copy, float]] = {}
+
+    def remember(self, module: str, fragment: int, digest: str, copy: Copy) -> None:
+        # references, not clones: a round replaces θ̄ and momentum with new tensors, never writes them
+        with self._lock:
+            self._copies[(module, fragment)] = (digest, copy, time.monotonic())
+
+    def find(self, module: str, fragment: int, digest: str) -> Copy | None:
+        with self._lock:
+            got = self._copies.get((module, fragment))
+        if got is None or got[0] != digest or time.monotonic() - got[2] > self.keep_seconds:
+            return None
+        return got[1]
+
+    def forget_old(self) -> None:
+        """Drops copies past their time (they would hold a module's worth of memory otherwise)."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, (_, _, t) in self._copies.items() if now - t > self.keep_seconds]:
+                del self._copies[key]
+
+
+def install_copy_handler(service: SyncService, copies: ReportedCopies) -> None:
+    async def on_copy_request(sender: str, body: bytes, reader, writer) -> None:
+        request = wire.parse(wire.CopyRequest, body)
+        got = (
+            copies.find(request.module, request.fragment, request.digest)
+            if request.run == service.run
+            else None
+        )
+        if got is None:
+            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="not kept")))
+            return
+        frames = [wire.pack_header(Kind.ACK, Ack(ok=True))]
+        frames += [
+            wire.pack(Kind.PAYLOAD, t.detach().to(torch.float32).contiguous().numpy().tobytes()) for t in got
+        ]
+        service.bytes_sent += sum(len(f) for f in frames)
+        await wire.write(writer, *frames)
+
+    service.extra_handlers[Kind.COPY_REQUEST] = on_copy_request
+
+
+async def download_copy(
+    service: SyncService, peer: str, module: str, fragment: int, digest: str, numel: int, timeout: float
+) -> Copy:
+    """The copy `peer` reported for a round, read within the size our own fragment implies and checked
+    against the digest it reported; raises on anything else."""
+
+    async def go() -> Copy:
+        request = wire.CopyRequest(run=service.run, module=module, fragment=fragment, digest=digest)
+        reader, writer = await service.open(peer, [wire.pack_header(Kind.COPY_REQUEST, request)], timeout)
+        try:
+            ack = wire.parse(Ack, (await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES))[1])
+            if not ack.ok:
+                raise wire.WireError(f"{peer} refused: {ack.reason}")
+            parts = []
+            for _ in range(2):
+                _, data = await wire.read_frame(reader, {Kind.PAYLOAD}, 4 * numel)
+                if len(data) != 4 * numel:
+                    raise wire.WireError(f"{peer} sent {len(data)} bytes for {numel} numbers")
+                service.bytes_received += len(data) + 5
+                parts.append(torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)))
+        finally:
+            writer.close()
+        theta, momentum = parts
+        if state_digest(theta, momentum) != digest:
+            raise wire.WireError(f"{peer} sent a copy other than the one it reported")
+        return theta, momentum
+
+    return await asyncio.wait_for(go(), timeout)
+
+
+async def merged_copy(
+    service: SyncService,
+    module: str,
+    fragment: int,
+    own: Copy,
+    own_digest: str,
+    reported: dict[str, str],
+    timeout: float,
+) -> tuple[Copy, list[str]]:
+    """Combines our copy with the copies in `reported` (peer -> digest): each distinct copy is
+    downloaded once (from the first of its holders, by peer id, that sends it) and counts once per
+    member that reported it; ours is not downloaded. Returns the merged (θ̄, momentum) and the peers
+    whose copies went in."""
+    numel = own[0].numel()
+    camps: dict[str, list[str]] = {}
+    for peer in sorted(reported):
+        camps.setdefault(reported[peer], []).append(peer)
+
+    async def one(digest: str, holders: list[str]) -> Copy | None:
+        if digest == own_digest:
+            return own
+        for peer in holders:
+            try:
+                return await download_copy(service, peer, module, fragment, digest, numel, timeout)
+            except Exception as e:
+                logger.warning(f"{module} fragment {fragment}: no copy from {peer}: {type(e).__name__}: {e}")
+        return None
+
+    digests = sorted(camps)
+    got = await asyncio.gather(*(one(d, camps[d]) for d in digests))
+    copies = {service.peer_id: own}
+    for digest, copy in zip(digests, got, strict=True):
+        if copy is not None:
+            copies.update({p: copy for p in camps[digest]})
+
+    def combine() -> Copy:
+        parts = []
+        for i in range(2):
+            arrays = [(p, c[i].detach().to(torch.float32).reshape(-1).numpy()) for p, c in copies.items()]
+            parts.append(torch.from_numpy(np.ascontiguousarray(combine_copies(arrays))).view_as(own[i]))
+        return parts[0], parts[1]
+
+    merged = await asyncio.get_running_loop().run_in_executor(None, combine)
+    return merged, sorted(copies)
