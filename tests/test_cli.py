@@ -137,3 +137,21 @@ def test_a_runs_data_files_cannot_leave_data_root(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=fragment):
             local_files(DatasetSpec(kind="text", data_files=[pattern]), root)
+
+
+def test_a_second_peer_on_a_checkpoint_dir_in_use_refuses_with_one_line(tmp_path):
+    from peer.checkpoint_lock import CheckpointDirLock
+
+    held = CheckpointDirLock(tmp_path / "ckpt").acquire()  # the first peer's lock (this process)
+    try:
+        code, stderr, _ = run_cli(
+            "peer", "--run", "demo", "--new_swarm", "--manifest_path", str(tmp_path / "m.json"),
+            "--checkpoint_dir", str(tmp_path / "ckpt"),
+        )  # fmt: skip
+    finally:
+        held.release()
+    assert code == 2
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and "in use by another peer" in lines[0], stderr
+    # released with its holder: the directory is free again
+    CheckpointDirLock(tmp_path / "ckpt").acquire().release()

@@ -7,11 +7,18 @@ whole path from flags to manifest is `manifest_from_options`.
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from pathlib import Path
 
 from peer.cli.common import Handler, add_swarm_flags, setup_logging
 from peer.codecs.specs import CODEC_NAMES
 from peer.model.grid import PRESETS
+
+logger = logging.getLogger(__name__)
+
+#: stores of the signed manifest tried before `run create` gives up (the DHT may still be warming up)
+PUBLISH_ATTEMPTS = 3
 
 #: flags of `run create` that are not choices about the run itself
 _OUTPUT_FLAGS = ("out", "no_publish", "initial_peers", "host_maddrs", "announce_maddrs", "identity_path")
@@ -57,10 +64,10 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     from dht.identity import load_identity
     from dht.node import start_dht
     from peer.config import one_line
-    from peer.errors import ConfigError
+    from peer.errors import ConfigError, SwarmError
     from peer.run.create import RunOptions, manifest_from_options
     from peer.run.record import save_record, sign_manifest
-    from peer.swarm.manifest import publish_record
+    from peer.swarm.manifest import fetch_manifest, publish_record
 
     setup_logging()
     choices = {k: v for k, v in vars(args).items() if k not in ("command", "run_command", *_OUTPUT_FLAGS)}
@@ -69,17 +76,34 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
     manifest = manifest_from_options(options)
-    identity = getattr(args, "identity_path", None)
-    key, _ = load_identity(identity)
+    # one key both signs the records and is the DHT node's identity: the node's signature validator
+    # refuses records whose owner subkey names another key
+    key, identity_file = load_identity(getattr(args, "identity_path", None))
     record = sign_manifest(manifest, key)
     save_record(record, args.out)
     print(f"run {manifest.name} id {record.run_id}")
     print(f"manifest written to {args.out}; peers join with --run {manifest.name}@{record.run_id[:16]}")
     if not args.no_publish and getattr(args, "initial_peers", None):
-        dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity, client_mode=True)
+        dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity_file, client_mode=True)
         try:
-            ok = publish_record(dht, key, record)
-            print("published to the DHT" if ok else "could not publish (peers can still use --manifest_path)")
+            published = False
+            for attempt in range(PUBLISH_ATTEMPTS):
+                if publish_record(dht, key, record):
+                    # read back: a store that some node took is not yet one a joiner finds
+                    try:
+                        fetch_manifest(dht, manifest.name, record.run_id, timeout_seconds=10.0)
+                        published = True
+                        break
+                    except SwarmError as e:
+                        logger.info(f"published, but not readable yet: {e}")
+                time.sleep(1.0 + attempt)
         finally:
             dht.shutdown()
+        if not published:
+            raise SwarmError(
+                f"could not publish the manifest through {', '.join(args.initial_peers)}: no DHT node took "
+                f"it in {PUBLISH_ATTEMPTS} attempts (is a bootstrap or peer running there?); peers can still "
+                f"join with --manifest_path {args.out}"
+            )
+        print(f"published to the DHT: peers join with --run {manifest.name}@{record.run_id[:16]}")
     return 0

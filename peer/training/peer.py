@@ -24,6 +24,7 @@ from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
 from peer.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
 from peer.data.sources import load_documents, local_files
@@ -70,6 +71,7 @@ class Peer:
         self.history = RoundHistory()
         self._checkpointed_step = -1
         self._closed = False
+        self._dir_lock: CheckpointDirLock | None = None
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -78,6 +80,8 @@ class Peer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device = device_of(cfg.device)
+        if cfg.checkpoint_dir is not None:  # before anything joins: a second peer here stops at once
+            self._dir_lock = CheckpointDirLock(cfg.checkpoint_dir).acquire()
         self.dht, self.key = start_dht(
             initial_peers=cfg.initial_peers,
             host_maddrs=cfg.host_maddrs,
@@ -366,3 +370,5 @@ class Peer:
             self.dialback.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
+        if self._dir_lock is not None:
+            self._dir_lock.release()
