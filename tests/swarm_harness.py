@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
+from safetensors.torch import load_file
 
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
@@ -88,3 +89,18 @@ def outcomes(meta: dict) -> list[dict[str, str]]:
 
 def logs_of(swarm: LocalSwarm, *names: str) -> str:
     return "\n".join(f"--- {n}\n{swarm.log_path(n).read_text()[-3000:]}" for n in names)
+
+
+def checkpoints_by_count(ckpt, module: str) -> dict:
+    """The checkpoints of a peer by how many syncs `module` had done (the first of each count)."""
+    out = {}
+    for info in list_checkpoints(ckpt):
+        if info.complete:
+            out.setdefault(info.manifest["meta"]["fragment_rounds"][module][0], info.path)
+    return out
+
+
+def module_state(path, module: str) -> dict:
+    """One module's shared tensors in a checkpoint folder."""
+    tensors = load_file(str(path / "tensors.safetensors"))
+    return {k: v for k, v in shared_state(tensors).items() if k.startswith(f"{module}/")}

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dht.identity import peer_id_of_key
 from dht.node import start_dht
@@ -25,8 +24,10 @@ from peer.swarm.claims import live_claims, publish_claim
 from peer.swarm.keeper import kept_modules
 from tests.swarm_harness import (
     RUN,
+    checkpoints_by_count,
     final_state,
     logs_of,
+    module_state,
     outcomes,
     peer_args,
     shared_state,
@@ -114,9 +115,16 @@ def test_a_stalled_member_is_left_out_then_catches_up_when_it_resumes(tmp_path):
     assert max(round_gaps(m0)) < TIMEOUT + REPORT + 4.0, round_gaps(m0)
     # once resumed it found itself behind, fetched the others' state, and rejoined them
     assert "fetched their state" in log or "excluded" in log, log[-3000:]
-    assert "averaged/3" in outcomes(m2)[-1].values(), outcomes(m2)[-3:]
-    same_round = states_by_round(tmp_path / "p0")[m2["outer_round"]]
-    assert_same_bits(load_file(str(same_round / "tensors.safetensors")), t2)
+    assert any("averaged/3" in o.values() for o in outcomes(m2)[-3:]), outcomes(m2)[-3:]
+    # and holds the others' bits: each module compared at the last sync count both reached (after a
+    # repair a module's count may run one ahead of the trunk's, so the resumed peer can end with one
+    # sync of it alone after the others stopped)
+    for module in ("trunk", "l0m0"):
+        mine = checkpoints_by_count(tmp_path / "stalled", module)
+        theirs = checkpoints_by_count(tmp_path / "p0", module)
+        last = min(max(mine), max(theirs))
+        assert last >= m0["outer_round"] - 1, (sorted(mine), sorted(theirs))
+        assert_same_bits(module_state(mine[last], module), module_state(theirs[last], module))
 
 
 @pytest.mark.timeout(240)
@@ -223,7 +231,10 @@ def test_a_flood_of_forged_claims_neither_stops_averaging_nor_poisons_a_joiner(t
                     peer_id=peer_id_of_key(key), path=0, modules=["trunk", "l0m0"], outer_round=10**9,
                     module_rounds={"trunk": [10**9], "l0m0": [10**9]}, digests={"trunk": "0" * 64},
                 )  # fmt: skip
-                assert publish_claim(dht, key, RUN, run_id, claim, ttl=60)
+                # an attacker retries: a node just started may find no node to store on at once
+                assert any(
+                    publish_claim(dht, key, RUN, run_id, claim, ttl=60) or time.sleep(1.0) for _ in range(5)
+                )
             watcher = sybils[0]
             wait_for(lambda: len(live_claims(watcher, RUN, run_id)) >= 8, 30, "the forged claims")
             swarm.start_peer("joiner", peer_args(run_id, tmp_path / "joiner", "--max_steps", "30"))

@@ -14,16 +14,15 @@ import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from benchmarks.wan.driver import REPO, child_env, start_bootstrap
 from benchmarks.wan.netlab import NetLab, can_make_namespaces
-from peer.checkpoint import list_checkpoints
 from tests.swarm_harness import (
+    checkpoints_by_count,
     final_state,
+    module_state,
     outcomes,
     peer_args,
-    shared_state,
     states_by_round,
     write_manifest,
 )
@@ -93,23 +92,10 @@ def test_halves_of_a_partitioned_swarm_train_apart_and_agree_again_after_the_hea
     # exchange its last round's reports, which only a next round would reconcile). Counts, not the
     # checkpoint's outer round: after per-module repairs a peer's l0m0 may count one behind its trunk.
     for module in ("trunk", "l0m0"):
-        by_count = [_checkpoints_by_count(tmp_path / n, module) for n in names]
+        by_count = [checkpoints_by_count(tmp_path / n, module) for n in names]
         last = min(max(c) for c in by_count) - 1
         assert last > split_at + 3, [sorted(c) for c in by_count]
-        states = [_module_state(c[last], module) for c in by_count]
+        states = [module_state(c[last], module) for c in by_count]
         for other in states[1:]:
             assert states[0].keys() == other.keys()
             assert all(states[0][k].equal(other[k]) for k in states[0]), f"{module} differs at sync {last}"
-
-
-def _checkpoints_by_count(ckpt, module: str) -> dict:
-    out = {}
-    for info in list_checkpoints(ckpt):
-        if info.complete:
-            out.setdefault(info.manifest["meta"]["fragment_rounds"][module][0], info.path)
-    return out
-
-
-def _module_state(path, module: str) -> dict:
-    tensors = load_file(str(path / "tensors.safetensors"))
-    return {k: v for k, v in shared_state(tensors).items() if k.startswith(f"{module}/")}

@@ -96,6 +96,7 @@ class Membership:
         self._path_parameters = path_parameters(manifest)
         self._probe_service = ProbeService(dht) if config.probe_file is None else None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # "publish our claim now" from the training loop
         self._heartbeat: threading.Thread | None = None
 
     # --- views ----------------------------------------------------------------------------------
@@ -187,6 +188,15 @@ class Membership:
         record = self.claim_record(leaving)
         with self._lock:
             publish_claim(self.dht, self.key, self.run_name, self.run_id, record)
+
+    def announce(self) -> None:
+        """Publishes our claim (new progress and digests) from the heartbeat thread, at once: the
+        training loop never waits on the DHT, whose stores to unreachable nodes take their RPC
+        timeouts (seconds, in a partition) and would put this peer out of step with its groups."""
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            self.publish_claim()
+        else:
+            self._wake.set()
 
     def probe(self, cycle: int) -> None:
         """Measures (or reads injected) compute, memory and links, and publishes them."""
@@ -296,7 +306,19 @@ class Membership:
     def _beat(self, metrics: PeerMetrics) -> None:
         last_manifest = last_probe = time.monotonic()
         cycle = 0
-        while not self._stop.wait(self.config.heartbeat_seconds):
+        next_beat = time.monotonic() + self.config.heartbeat_seconds
+        while True:
+            woken = self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            if woken and time.monotonic() < next_beat:  # an announcement between beats: the claim only
+                try:
+                    self.publish_claim()
+                except Exception as e:
+                    logger.warning(f"publishing our claim failed: {e}")
+                continue
+            next_beat = time.monotonic() + self.config.heartbeat_seconds
             try:
                 self.publish_claim()
                 self.read_claims()
@@ -317,10 +339,12 @@ class Membership:
     def request_stop(self) -> None:
         """Stops waits for other peers at once (SIGTERM during start-up)."""
         self._stop.set()
+        self._wake.set()
 
     def leave(self) -> None:
         """Stops the heartbeat and announces that we are leaving, so holders stop waiting for us."""
         self._stop.set()
+        self._wake.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=10)
         if self.path is not None:

@@ -298,7 +298,7 @@ class Peer:
                 # a full disk must not stop the training: the last good checkpoint stays, we retry next round
                 logger.error(f"checkpoint failed, training goes on: {e}")
                 self.metrics.checkpoint_failed()
-        self.membership.publish_claim()
+        self.membership.announce()
 
     # --- checkpoints and shutdown ---------------------------------------------------------------
 
