@@ -114,7 +114,8 @@ class ProbeService:
             try:
                 links[peer] = self._call(self._measure(PeerID.from_base58(peer), timeout), timeout * 5)
             except Exception as e:
-                logger.info(f"link probe to {peer} failed: {type(e).__name__}: {e}")
+                # a peer that left is still in the claim view until its claim expires: not news
+                logger.debug(f"link probe to {peer} failed: {type(e).__name__}: {e}")
         return links
 
     def shutdown(self) -> None:
