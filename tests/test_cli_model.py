@@ -133,3 +133,38 @@ def test_user_errors_are_one_line_value_errors(trained_run, tmp_path):
         _run(["generate", "--prompt", "hi"])
     with pytest.raises(ValueError, match="no valid checkpoint"):
         _run(["eval", "--manifest_path", str(record_file), "--checkpoints", str(tmp_path)])
+
+
+def test_eval_reports_steps_and_share_per_path(trained_run, tmp_path):
+    _, record_file, dirs, _ = trained_run
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--manifest_path", str(record_file), "--checkpoints", *dirs, "--baseline_steps", "0"]
+    assert _run(argv + ["--json", str(out)]) == 0
+    per_path = json.loads(out.read_text())["composite"]["per_path"]
+    assert sorted(per_path) == ["0", "1", "2", "3"]  # every path, also one no document went to
+    assert all(entry["steps"] == 10 for entry in per_path.values())
+    assert sum(entry["share"] for entry in per_path.values()) == pytest.approx(1.0)
+
+
+def test_a_path_no_peer_trained_is_refused_unless_allowed(trained_run, tmp_path, capsys):
+    _, record_file, dirs, _ = trained_run
+    # the peers of paths 0, 1 and 2 hold every module of path 3 (1,1), but nobody trained it as a path
+    three = dirs[:3]
+    eval_argv = [
+        "eval",
+        "--manifest_path",
+        str(record_file),
+        "--checkpoints",
+        *three,
+        "--baseline_steps",
+        "0",
+    ]
+    with pytest.raises(ValueError, match=r"no checkpoint's peer trained: 3 \(1,1: \d+%\)"):
+        _run(eval_argv)
+    out = tmp_path / "eval.json"
+    assert _run([*eval_argv, "--allow_untrained", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["composite"]["per_path"]["3"]["steps"] == 0
+    export = ["export", "--manifest_path", str(record_file), "--checkpoints", *three, "--path", "1,1"]
+    with pytest.raises(ValueError, match="--allow_untrained"):
+        _run([*export, "--out", str(tmp_path / "x")])
+    assert _run([*export, "--out", str(tmp_path / "x"), "--allow_untrained"]) == 0

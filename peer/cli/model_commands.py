@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from peer.cli.common import Handler
@@ -55,6 +56,11 @@ def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
         "--checkpoints", type=Path, nargs="+", required=required, help="checkpoint folders of the run's peers"
     )
+    p.add_argument(
+        "--allow_untrained",
+        action="store_true",
+        help="use a path no checkpoint's peer trained (its modules as other paths left them)",
+    )
 
 
 def load_manifest(path: Path):
@@ -73,10 +79,12 @@ def _checkpoint_batch_size(ckpts, seq_len: int) -> int | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from peer.data.batches import encode_document
     from peer.data.sources import eval_documents, load_documents, split_of
     from peer.model.grid import path_from_index
+    from peer.model.route import route_documents
     from peer.offline.evaluation import evaluate
-    from peer.offline.grid_checkpoints import assemble_grid, read_checkpoints
+    from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.simulate import DenseTrainer, SimConfig
     from peer.run.rebuild import check_tokenizer, make_route
 
@@ -90,6 +98,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     docs = eval_documents(manifest.dataset, limit=args.max_docs)
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
+    # which paths the held-out documents go to, before the (long) scoring: an untrained one is refused
+    routed = Counter(route_documents(route, [encode_document(tok, t) for t in docs]))
+    shares = {p: routed.get(p, 0) / len(docs) for p in range(manifest.model.n_paths)}
+    steps_per_path = path_steps(manifest, ckpts)
+    refuse_untrained(manifest, steps_per_path, shares, args.allow_untrained, "held-out documents route to")
     result = evaluate(grid, docs, tok, route, context=manifest.seq_len)
 
     steps = (
@@ -107,14 +120,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps)).train(steps)
         dense = evaluate(model, docs, tok, route, context=manifest.seq_len)
 
-    rows = [("path", "docs", "tokens", "dipaco ppl", "dense ppl")]
+    rows = [("path", "steps", "share", "docs", "tokens", "dipaco ppl", "dense ppl")]
     for p, s in sorted(result.per_path.items()):
         dense_ppl = f"{dense.per_path[p].ppl:.3f}" if dense else "-"
         label = f"{p} {','.join(map(str, path_from_index(manifest.model, p)))}"
-        rows.append((label, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl))
+        share = f"{shares[p]:.1%}"
+        rows.append(
+            (label, str(steps_per_path[p]), share, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl)
+        )
     rows.append(
         (
             "all",
+            str(sum(steps_per_path.values())),
+            "100%",
             str(result.docs),
             str(result.tokens),
             f"{result.ppl:.3f}",
@@ -127,10 +145,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ratio = result.ppl / dense.ppl if dense else math.nan
     if dense:
         print(f"composite / dense perplexity: {ratio:.3f} (dense baseline: {steps} steps)")
+    balance = max(shares.values()) / min(shares.values()) if min(shares.values()) > 0 else math.inf
+    print(f"routing balance: the largest path's share of held-out documents is {balance:.2f}x the smallest's")
     if args.json is not None:
         out = dict(
             run_id=manifest.run_id,
-            composite=result.to_dict(),
+            composite=_with_paths(result.to_dict(), steps_per_path, shares),
+            routing_balance=balance if math.isfinite(balance) else None,
             dense=dense.to_dict() if dense else None,
             baseline_steps=steps,
             ratio=ratio if dense else None,
@@ -148,9 +169,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_paths(composite: dict, steps: dict[int, int], shares: dict[int, float]) -> dict:
+    """Every path of the grid in the JSON, with its trained steps and share of held-out documents."""
+    per_path = composite["per_path"]
+    for p in steps:
+        entry = per_path.setdefault(str(p), dict(docs=0, tokens=0, ppl=None))
+        entry.update(steps=steps[p], share=shares[p])
+    composite["per_path"] = dict(sorted(per_path.items(), key=lambda kv: int(kv[0])))
+    return composite
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from peer.model.grid import path_from_index
-    from peer.offline.grid_checkpoints import assemble_grid
+    from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.inference import exported_tokenizer, generate, load_exported, read_export_config
     from peer.run.rebuild import check_tokenizer, make_route
 
@@ -171,8 +202,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tok = check_tokenizer(manifest)
         # Route first, so only the chosen path's modules have to be in the checkpoints.
         ids = [tok.bos_id, *tok.encode(args.prompt)]
-        path = path_from_index(manifest.model, int(make_route(manifest)([ids])[0]))
-        grid = assemble_grid(manifest, args.checkpoints, paths=[path])
+        index = int(make_route(manifest)([ids])[0])
+        path = path_from_index(manifest.model, index)
+        ckpts = read_checkpoints(manifest, args.checkpoints)
+        grid = assemble_grid(manifest, ckpts, paths=[path])
+        refuse_untrained(
+            manifest, path_steps(manifest, ckpts), {index: 1.0}, args.allow_untrained, "the prompt routes to"
+        )
         out = generate(
             grid.path_model(path), None, tok, args.prompt, context_len=manifest.seq_len, **sampling
         )
@@ -182,13 +218,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from peer.model.grid import parse_path
-    from peer.offline.grid_checkpoints import assemble_grid
+    from peer.model.grid import parse_path, path_index
+    from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.inference import export_path
 
     manifest = load_manifest(args.manifest_path)
     path = parse_path(manifest.model, args.path)
-    grid = assemble_grid(manifest, args.checkpoints, paths=[path])
+    ckpts = read_checkpoints(manifest, args.checkpoints)
+    index = path_index(manifest.model, path)
+    grid = assemble_grid(manifest, ckpts, paths=[path])
+    refuse_untrained(manifest, path_steps(manifest, ckpts), {index: 1.0}, args.allow_untrained, "exporting")
     out = export_path(grid, path, args.out, manifest)
     print(f"exported path {','.join(map(str, path))} of run {manifest.name} to {out}")
     return 0

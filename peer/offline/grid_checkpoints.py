@@ -6,6 +6,7 @@ refused, and a module that no checkpoint holds is named in the error.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,10 @@ import torch
 from peer.checkpoint import load_latest_checkpoint
 from peer.config import RunManifest
 from peer.errors import ConfigError
-from peer.model.grid import all_module_ids, path_module_ids
+from peer.model.grid import all_module_ids, all_paths, path_from_index, path_index, path_module_ids
 from peer.model.transformer import GridModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,3 +97,42 @@ def assemble_grid(
                 )
             p.copy_(t.to(p.dtype))
     return grid.eval()
+
+
+def path_steps(manifest: RunManifest, ckpts: Sequence[PeerCheckpoint]) -> dict[int, int]:
+    """Inner steps trained on each path of the grid: the sum over the peers whose checkpoint says
+    they trained it. A path whose modules all come from other paths' peers still has 0 — its
+    modules were trained, the combination never was."""
+    cfg = manifest.model
+    steps = {path_index(cfg, p): 0 for p in all_paths(cfg)}
+    for ckpt in ckpts:
+        path = ckpt.meta.get("path")
+        if isinstance(path, list) and len(path) == cfg.n_levels:
+            try:
+                index = path_index(cfg, tuple(int(m) for m in path))
+            except (ConfigError, ValueError, TypeError):
+                continue
+            steps[index] = steps.get(index, 0) + int(ckpt.meta.get("step", 0))
+    return steps
+
+
+def refuse_untrained(
+    manifest: RunManifest, steps: dict[int, int], used: dict[int, float], allow: bool, what: str
+) -> None:
+    """Raises a one-line error when `used` (path index -> share of the work) includes a path nobody
+    trained, unless `allow` (--allow_untrained); otherwise only warns."""
+    untrained = {p: share for p, share in used.items() if steps.get(p, 0) == 0 and share > 0}
+    if not untrained:
+        return
+    cfg = manifest.model
+    named = ", ".join(
+        f"{p} ({','.join(map(str, path_from_index(cfg, p)))}: {share:.0%})"
+        for p, share in sorted(untrained.items())
+    )
+    message = f"{what} path(s) that no checkpoint's peer trained: {named}"
+    if not allow:
+        raise ConfigError(
+            f"{message}; add those peers' checkpoints, or pass --allow_untrained to use their modules as "
+            "other paths left them"
+        )
+    logger.warning(message)
