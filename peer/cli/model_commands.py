@@ -81,7 +81,6 @@ def _checkpoint_batch_size(ckpts, seq_len: int) -> int | None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from peer.data.batches import encode_document
     from peer.data.sources import eval_documents, load_documents, split_of
-    from peer.model.grid import path_from_index
     from peer.model.route import route_documents
     from peer.offline.evaluation import evaluate
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
@@ -99,11 +98,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
     # which paths the held-out documents go to, before the (long) scoring: an untrained one is refused
-    routed = Counter(route_documents(route, [encode_document(tok, t) for t in docs]))
-    shares = {p: routed.get(p, 0) / len(docs) for p in range(manifest.model.n_paths)}
+    routed = route_documents(route, [encode_document(tok, t) for t in docs])
+    counts = Counter(routed)
+    shares = {p: counts.get(p, 0) / len(docs) for p in range(manifest.model.n_paths)}
     steps_per_path = path_steps(manifest, ckpts)
     refuse_untrained(manifest, steps_per_path, shares, args.allow_untrained, "held-out documents route to")
-    result = evaluate(grid, docs, tok, route, context=manifest.seq_len)
+    result = evaluate(grid, docs, tok, route, context=manifest.seq_len, routed=routed)
 
     steps = (
         args.baseline_steps if args.baseline_steps is not None else max(int(c.meta["step"]) for c in ckpts)
@@ -118,30 +118,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
         # The peers' cosine runs over manifest.inner.total_steps; the baseline follows the same one.
         model = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps)).train(steps)
-        dense = evaluate(model, docs, tok, route, context=manifest.seq_len)
+        dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
 
-    rows = [("path", "steps", "share", "docs", "tokens", "dipaco ppl", "dense ppl")]
-    for p, s in sorted(result.per_path.items()):
-        dense_ppl = f"{dense.per_path[p].ppl:.3f}" if dense else "-"
-        label = f"{p} {','.join(map(str, path_from_index(manifest.model, p)))}"
-        share = f"{shares[p]:.1%}"
-        rows.append(
-            (label, str(steps_per_path[p]), share, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl)
-        )
-    rows.append(
-        (
-            "all",
-            str(sum(steps_per_path.values())),
-            "100%",
-            str(result.docs),
-            str(result.tokens),
-            f"{result.ppl:.3f}",
-            f"{dense.ppl:.3f}" if dense else "-",
-        )
-    )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    _print_table(manifest, result, dense, steps_per_path, shares)
     ratio = result.ppl / dense.ppl if dense else math.nan
     if dense:
         print(f"composite / dense perplexity: {ratio:.3f} (dense baseline: {steps} steps)")
@@ -167,6 +146,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def _print_table(manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float]) -> None:
+    """Per path: trained steps, share of the held-out documents, composite and dense perplexity."""
+    from peer.model.grid import path_from_index
+
+    rows = [("path", "steps", "share", "docs", "tokens", "dipaco ppl", "dense ppl")]
+    for p, s in sorted(result.per_path.items()):
+        dense_ppl = f"{dense.per_path[p].ppl:.3f}" if dense else "-"
+        label = f"{p} {','.join(map(str, path_from_index(manifest.model, p)))}"
+        share = f"{shares[p]:.1%}"
+        rows.append(
+            (label, str(steps_per_path[p]), share, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl)
+        )
+    rows.append(
+        (
+            "all",
+            str(sum(steps_per_path.values())),
+            "100%",
+            str(result.docs),
+            str(result.tokens),
+            f"{result.ppl:.3f}",
+            f"{dense.ppl:.3f}" if dense else "-",
+        )
+    )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
 
 
 def _with_paths(composite: dict, steps: dict[int, int], shares: dict[int, float]) -> dict:

@@ -142,16 +142,22 @@ def evaluate(
     context: int | None = None,
     skip: int = PREFIX_TOKENS,
     batch_size: int = 32,
+    routed: Sequence[int] | None = None,
 ) -> EvalResult:
     """Routes every document with `route` and scores it with its path. `models` is the grid, a map
     path index -> model, or one dense `PathModel` that scores every document; with a dense model a
     `route` only splits the result by path (for side-by-side tables). `context` should be the run's
-    seq_len: positions past the training window were never trained."""
+    seq_len: positions past the training window were never trained. `routed` gives the documents'
+    paths when the caller already routed them with `route`."""
     token_lists = [encode_document(tokenizer, t) for t in documents]
     if route is None:
         if not isinstance(models, PathModel):
             raise ValueError("a grid needs a route function to evaluate")
         paths = [0] * len(token_lists)
+    elif routed is not None:
+        if len(routed) != len(token_lists):
+            raise ValueError(f"{len(routed)} routed paths for {len(token_lists)} documents")
+        paths = list(routed)
     else:
         paths = route_documents(route, token_lists)
     result = EvalResult()

@@ -28,6 +28,7 @@ from peer.sync import wire
 from peer.sync.aggregate import combine_copies
 from peer.sync.module_sync import state_digest
 from peer.sync.service import SyncService
+from peer.sync.state_transfer import read_tensors, tensor_frames
 from peer.sync.wire import Ack, Kind
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,7 @@ def install_copy_handler(service: SyncService, copies: ReportedCopies) -> None:
         if got is None:
             await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="not kept")))
             return
-        frames = [wire.pack_header(Kind.ACK, Ack(ok=True))]
-        frames += [
-            wire.pack(Kind.PAYLOAD, t.detach().to(torch.float32).contiguous().numpy().tobytes()) for t in got
-        ]
+        frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), *tensor_frames(list(got))]
         service.bytes_sent += sum(len(f) for f in frames)
         await wire.write(writer, *frames)
 
@@ -97,16 +95,9 @@ async def download_copy(
             ack = wire.parse(Ack, (await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES))[1])
             if not ack.ok:
                 raise wire.WireError(f"{peer} refused: {ack.reason}")
-            parts = []
-            for _ in range(2):
-                _, data = await wire.read_frame(reader, {Kind.PAYLOAD}, 4 * numel)
-                if len(data) != 4 * numel:
-                    raise wire.WireError(f"{peer} sent {len(data)} bytes for {numel} numbers")
-                service.bytes_received += len(data) + 5
-                parts.append(torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)))
+            theta, momentum = await read_tensors(service, reader, peer, [numel, numel])
         finally:
             writer.close()
-        theta, momentum = parts
         if state_digest(theta, momentum) != digest:
             raise wire.WireError(f"{peer} sent a copy other than the one it reported")
         return theta, momentum

@@ -55,6 +55,25 @@ def digests_of(tensors: list[torch.Tensor]) -> list[str]:
     return [state_digest(tensors[f], tensors[n + f]) for f in range(n)]
 
 
+def tensor_frames(tensors: list[torch.Tensor]) -> list[bytes]:
+    """One PAYLOAD frame per tensor, as little-endian float32."""
+    return [
+        wire.pack(Kind.PAYLOAD, t.detach().to(torch.float32).contiguous().numpy().tobytes()) for t in tensors
+    ]
+
+
+async def read_tensors(service: SyncService, reader, peer: str, numels: list[int]) -> list[torch.Tensor]:
+    """Float32 tensors of exactly `numels` numbers from PAYLOAD frames, each capped before it is read."""
+    tensors = []
+    for n in numels:
+        _, data = await wire.read_frame(reader, {Kind.PAYLOAD}, 4 * n)
+        if len(data) != 4 * n:
+            raise wire.WireError(f"{peer} sent {len(data)} bytes for {n} numbers")
+        service.bytes_received += len(data) + 5
+        tensors.append(torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)))
+    return tensors
+
+
 def install_state_handlers(
     service: SyncService, snapshot: Callable[[str], Snapshot | None], history: StateHistory
 ) -> None:
@@ -73,11 +92,7 @@ def install_state_handlers(
             fragment_rounds=rounds,
             numels=[t.numel() for t in tensors],
         )
-        frames = [wire.pack_header(Kind.STATE_HEADER, header)]
-        frames += [
-            wire.pack(Kind.PAYLOAD, t.detach().to(torch.float32).contiguous().numpy().tobytes())
-            for t in tensors
-        ]
+        frames = [wire.pack_header(Kind.STATE_HEADER, header), *tensor_frames(tensors)]
         service.bytes_sent += sum(len(f) for f in frames)
         await wire.write(writer, *frames)
 
@@ -115,14 +130,7 @@ async def download_state(
                 or len(header.fragment_rounds) * 2 != len(numels)
             ):
                 raise wire.WireError(f"{peer} offered a state of another shape ({header.numels[:4]}...)")
-            tensors = []
-            for n in numels:
-                _, data = await wire.read_frame(reader, {Kind.PAYLOAD}, 4 * n)
-                if len(data) != 4 * n:
-                    raise wire.WireError(f"{peer} sent {len(data)} bytes for {n} numbers")
-                service.bytes_received += len(data) + 5
-                tensors.append(torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32)))
-            return list(header.fragment_rounds), tensors
+            return list(header.fragment_rounds), await read_tensors(service, reader, peer, numels)
         finally:
             writer.close()
 
