@@ -11,11 +11,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dht.keys import claims_key
 from dht.node import start_dht
+from dht.records import read_records
+from dht.schema import ClaimRecord
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
 from peer.swarm.claims import live_claims
-from tests.swarm_harness import RUN, peer_args, wait_for, write_manifest
+from tests.swarm_harness import (
+    RUN,
+    checkpoints_by_count,
+    module_state,
+    peer_args,
+    shared_state,
+    states_by_round,
+    wait_for,
+    write_manifest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +66,12 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
                 return max((c.outer_round for c in claims.values()), default=0) >= 2
 
             wait_for(a_round, 90, "peer a to finish two rounds", swarm)
-            swarm.start_peer("b", peer_args(run_id, tmp_path / "b", "--path", "0", "--max_steps", "30"))
+            swarm.start_peer(
+                "b",
+                peer_args(
+                    run_id, tmp_path / "b", "--path", "0", "--max_steps", "30", "--keep_checkpoints", "100"
+                ),
+            )
             assert swarm.wait("b", timeout=120) == 0, swarm.log_path("b").read_text()[-3000:]
             swarm.kill("a", signal.SIGTERM)
             assert swarm.wait("a", timeout=60) == 0
@@ -67,14 +84,28 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
     rounds = rounds_in_log(log_b)
     assert rounds and "averaged/2" in rounds[-1], rounds
 
-    # B's copy after its last round equals A's copy after the same module round.
+    # What b downloaded, checkpointed before its first step (later rounds' averaging and repair would
+    # make the copies agree even after a wrong download): every module's global copy and momentum are
+    # a's at the same module round, bit for bit, and b's local weights start from that global copy.
+    first_b = min((i for i in list_checkpoints(tmp_path / "b") if i.complete), key=lambda i: i.step)
+    assert first_b.manifest["meta"]["step"] == 0
+    joined = load_file(str(first_b.path / "tensors.safetensors"))
+    rounds_b = first_b.manifest["meta"]["fragment_rounds"]
+    for module in ("trunk", "l0m0", "l1m0"):
+        by_count = checkpoints_by_count(tmp_path / "a", module)
+        assert rounds_b[module][0] in by_count, (module, rounds_b, sorted(by_count))
+        donor = module_state(by_count[rounds_b[module][0]], module)
+        ours = {k: v for k, v in shared_state(joined).items() if k.startswith(f"{module}/")}
+        assert donor.keys() == ours.keys() and any("/momentum/" in k for k in ours)
+        assert all(torch.equal(donor[k], ours[k]) for k in donor), module
+        for name, value in ours.items():
+            if "/global/" in name:
+                local = joined[f"local/parts.{module}.{name.split('/global/')[1]}"]
+                assert torch.equal(local, value), name
+
+    # b's copy after its last round equals a's copy after the same module round.
     tensors_b, meta_b = load_latest_checkpoint(tmp_path / "b")
-    by_round = {}
-    for info in list_checkpoints(tmp_path / "a"):
-        if info.complete:
-            by_round.setdefault(
-                info.manifest["meta"]["outer_round"], info.path
-            )  # the one right after the sync
+    by_round = states_by_round(tmp_path / "a")
     assert meta_b["outer_round"] in by_round, (meta_b["outer_round"], sorted(by_round))
     tensors_a = load_file(str(by_round[meta_b["outer_round"]] / "tensors.safetensors"))
     # the same bits: every holder applies the identical aggregate with a deterministic outer step
@@ -114,27 +145,39 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
     path, run_id = manifest_file
     ckpt = tmp_path / "ckpt"
     with LocalSwarm(tmp_path / "logs") as swarm:
-        swarm.spawn(
-            "p",
-            [
-                "peer",
-                "--host_maddrs",
-                "/ip4/127.0.0.1/tcp/0",
-                *peer_args(run_id, ckpt),
-                "--new_swarm",
-                "--manifest_path",
-                str(path),
-                "--max_rounds",
-                "1000",
-            ],
+        swarm.start_bootstrap(extra=["--manifest_path", str(path)])
+        watcher, _ = start_dht(
+            initial_peers=swarm.initial_peers, client_mode=True, run_name=RUN, run_id=run_id
         )
-        wait_for(lambda: list_checkpoints(ckpt), 90, "a first checkpoint", swarm)
-        swarm.kill("p", signal.SIGTERM)
-        started = time.monotonic()
-        assert swarm.wait("p", timeout=60) == 0
-        assert time.monotonic() - started < 30
+        try:
+            # H = 10: the round-1 checkpoint is at step 10; the peer then stalls before step 15, where
+            # SIGTERM reaches it, so a checkpoint written on the way out is at step 15, not a round's.
+            swarm.start_peer(
+                "p",
+                peer_args(run_id, ckpt, "--max_rounds", "1000", "--keep_checkpoints", "100"),
+                env={"PATHSWARM_FAULTS": "train.step@15=stall:6"},
+            )
+            wait_for(lambda: list_checkpoints(ckpt), 90, "a first checkpoint", swarm)
+            peer_id = wait_for(lambda: next(iter(live_claims(watcher, RUN, run_id)), None), 30, "a claim")
+            time.sleep(1.0)
+            swarm.kill("p", signal.SIGTERM)
+            started = time.monotonic()
+            assert swarm.wait("p", timeout=60) == 0
+            assert time.monotonic() - started < 30
+
+            def leaving_claim():
+                records = read_records(watcher, claims_key(RUN, run_id), ClaimRecord)
+                return [c for c, _ in records if c.peer_id == peer_id and c.leaving]
+
+            # others stop counting on it at once instead of waiting for its claim to expire
+            assert wait_for(leaving_claim, 10, "the leaving claim", swarm)
+            assert peer_id not in live_claims(watcher, RUN, run_id)
+        finally:
+            watcher.shutdown()
+    steps = [i.step for i in list_checkpoints(ckpt) if i.complete]
+    assert steps == [10, 15], steps
     tensors, meta = load_latest_checkpoint(ckpt)
-    assert meta["step"] >= 10
+    assert meta["step"] == 15 and meta["outer_round"] == 1
 
 
 def test_resumed_p4_peer_keeps_each_fragments_round_and_rejoins_its_groups(tmp_path):

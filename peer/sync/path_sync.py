@@ -169,13 +169,14 @@ class PathSync:
 
     # --- catching up and repairing ------------------------------------------------------------------
 
-    def catch_up(self, donors: Donors, kept: Donors | None = None) -> None:
+    def catch_up(self, donors: Donors, kept: Donors | None = None) -> int:
         """Downloads the state of every module that its live holders — or, failing them, a keeper — have
         advanced past ours. Donors are the most advanced, ordered by a hash of (us, module, donor), so
         a joiner's modules come from different peers rather than all from one. A module whose holders
         and keepers all fail to send it starts again from its initial weights: that is said loudly and
-        counted, never done silently."""
+        counted, never done silently. Returns how many modules were downloaded."""
         kept = kept or {}
+        downloaded = 0
         for mid, ms in self.syncs.items():
             ours = sum(ms.fragment_rounds)
             best = 0
@@ -189,6 +190,7 @@ class PathSync:
                 )
                 if self.fetch_state(ms, [p for p, _ in ordered]):
                     logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
+                    downloaded += 1
                     break
             else:
                 if best > ours and ours == 0:
@@ -201,6 +203,7 @@ class PathSync:
                     )
                     self.metrics.module_reset()
         self.align()
+        return downloaded
 
     def hand_over(self, modules: list[str], keepers: list[str]) -> None:
         """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits."""

@@ -125,8 +125,14 @@ class Peer:
         if resumed is not None:
             self._restore(*resumed)
         self.sync.start(self.dht, self.membership.is_holder)
-        self.sync.catch_up(self.membership.donors(), self.membership.kept())
+        downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
         self.outer_round = max(self.outer_round, self.sync.outer_round)
+        if downloaded:
+            # a crash before the first round must not cost the download again (minutes for a big path)
+            try:
+                self.checkpoint()
+            except CheckpointError as e:
+                logger.error(f"checkpoint of the downloaded state failed, training goes on: {e}")
         self._start_data()
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
