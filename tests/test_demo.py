@@ -21,5 +21,11 @@ def test_demo_trains_and_holders_agree(tmp_path):
     assert summary["rounds_completed"] == 3
     assert sorted(tuple(p) for p in summary["paths"].values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert summary["loss_last"] < summary["loss_first"]
-    assert summary["module_divergence_max"] <= 1e-3
+    # every holder applies the same aggregate with the same outer step: equal bits, not "close"
+    assert summary["module_divergence_max"] == 0.0, summary["module_divergence"]
+    # the global copies, not the local ones, learned: held-out loss of the averaged grid falls by more
+    # than a quarter from initialization (5.6 -> about 2.6 nats per byte here); a wrong outer step (a
+    # sign, a missing momentum) leaves the training loss of a round falling but not this
+    assert summary["heldout_docs"] >= 50
+    assert summary["heldout_loss_final"] < 0.75 * summary["heldout_loss_initial"], summary
     assert summary["bytes_sent_total"] > 0

@@ -17,7 +17,7 @@ from peer.model.transformer import PathModel
 from peer.sync.fragments import FragmentPlan, fragments_due, sync_offsets
 from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import OverlapTuner, StreamingOuter
-from tests.sync_members import run_round, sync_group
+from tests.sync_members import sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 
@@ -281,26 +281,3 @@ def test_sparse_error_feedback_loses_nothing_and_keeps_copies_identical(dht_fact
     applied = (start - a.global_flats[0]).double()
     kept = sum(r - ms.errors[0].double() for r, ms in zip(raw, syncs, strict=True)) / 2
     assert float((applied - kept).abs().max()) < 1e-5 * float(kept.abs().max())
-
-
-def test_bytes_per_fragment_sync_are_one_pth_of_a_full_sync(dht_factory):
-    """Two holders of a real module sync it whole (P = 1) and by fragments of the plan (P = 4)."""
-    p = 4
-    cfg = ModelConfig(d_model=96, n_heads=4, d_ff=384, max_seq_len=33, blocks_per_module=4)
-    model = PathModel(cfg, (0, 0), seed=5)
-    sizes = {
-        n: [
-            ModuleSync(cfg, "l0m0", model.parts["l0m0"], OuterOptimizerConfig(), n).fragment_size(f)
-            for f in range(n)
-        ]
-        for n in (1, p)
-    }
-    assert sum(sizes[p]) == sizes[1][0] and max(sizes[p]) - min(sizes[p]) < p
-    sent = {}
-    for n in (1, p):
-        numel = sizes[n][0]
-        with sync_group(dht_factory, 2, numel, codec="nf4") as members:
-            results = run_round(members, [torch.randn(numel) * 0.01 for _ in members], [1.0, 1.0])
-        assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
-        sent[n] = sum(r.bytes_sent for r in results)
-    assert sent[p] / sent[1] == pytest.approx(1 / p, rel=0.05)

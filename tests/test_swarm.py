@@ -17,7 +17,11 @@ from dht.records import read_records
 from dht.schema import ClaimRecord
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
+from peer.codecs.specs import codec_spec
+from peer.model.transformer import PathModel
+from peer.run.record import load_verified_manifest
 from peer.swarm.claims import live_claims
+from peer.sync.module_sync import ModuleSync
 from tests.swarm_harness import (
     RUN,
     checkpoints_by_count,
@@ -180,11 +184,22 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
     assert meta["step"] == 15 and meta["outer_round"] == 1
 
 
-def test_resumed_p4_peer_keeps_each_fragments_round_and_rejoins_its_groups(tmp_path):
-    """H = 8, P = 4: fragment p syncs after steps 2p, 2p + 8, ... Peers stopped after step 12 have
-    fragments at rounds [1, 2, 2, 1]; resumed to step 16, fragment 3 (step 14) and fragment 0
-    (step 16) sync again, with each other, and every fragment ends at round 2."""
-    path, run_id = write_manifest(tmp_path, inner_steps=8, fragments=4)
+def fragment_payload_bytes(manifest_path: Path, codec: str) -> list[int]:
+    """Bytes one member sends another for each fragment sync of path 0 (all its modules), from the
+    fragment plan and the codec table's exact wire size."""
+    manifest, _ = load_verified_manifest(manifest_path)
+    cfg, n = manifest.model, manifest.sync.fragments
+    model = PathModel(cfg, (0, 0), seed=0)
+    spec = codec_spec(codec)
+    syncs = [ModuleSync(cfg, mid, model.parts[mid], manifest.outer, n) for mid in model.module_ids]
+    return [sum(spec.wire_bytes(ms.fragment_size(f)) for ms in syncs) for f in range(n)]
+
+
+def test_resumed_p4_nf4_peers_keep_each_fragments_round_rejoin_their_groups_and_stay_identical(tmp_path):
+    """H = 8, P = 4, NF4 outer gradients: fragment p syncs after steps 2p, 2p + 8, ... Peers stopped
+    after step 12 have fragments at rounds [1, 2, 2, 1]; resumed to step 16, fragment 3 (step 14) and
+    fragment 0 (step 16) sync again, with each other, and every fragment ends at round 2."""
+    path, run_id = write_manifest(tmp_path, inner_steps=8, fragments=4, codec="nf4")
     names = ("a", "b")
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(path)])
@@ -200,11 +215,24 @@ def test_resumed_p4_peer_keeps_each_fragments_round_and_rejoins_its_groups(tmp_p
                     _, meta = load_latest_checkpoint(tmp_path / name)
                     assert meta["step"] == 12
                     assert meta["fragment_rounds"] == {m: [1, 2, 2, 1] for m in ("trunk", "l0m0", "l1m0")}
+    states = {}
+    payload = fragment_payload_bytes(path, "nf4")
     for name in names:
-        _, meta = load_latest_checkpoint(tmp_path / name)
+        tensors, meta = load_latest_checkpoint(tmp_path / name)
+        states[name] = shared_state(tensors)
         assert meta["step"] == 16
         assert meta["fragment_rounds"] == {m: [2, 2, 2, 2] for m in ("trunk", "l0m0", "l1m0")}
         last = meta["history"][-1]
         assert last["step"] == 16 and sorted(last["fragments"]) == ["0", "3"], last
         for fragment, outcomes in last["fragments"].items():
             assert set(outcomes.values()) == {"averaged/2"}, (name, fragment, outcomes)
+        # round 1 of phase 1 ran all four fragment syncs (steps 2, 4, 6, 8): together they carry the
+        # whole path once, each about a quarter of it (the plan's fragments, NF4's exact size)
+        first = meta["history"][0]
+        assert sorted(first["fragments"]) == ["0", "1", "2", "3"], first
+        assert sum(payload) <= first["bytes_sent"] <= 1.05 * sum(payload) + 8 * 4096, (first, payload)
+        assert max(payload) <= first["peak_sync_bytes"] <= 1.05 * max(payload) + 2 * 4096, (first, payload)
+        assert max(payload) < 0.3 * sum(payload)
+    # NF4 rounding happens before the all-gather: both holders apply the same decoded average
+    assert states["a"].keys() == states["b"].keys() and states["a"]
+    assert all(torch.equal(states["a"][k], states["b"][k]) for k in states["a"])

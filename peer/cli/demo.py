@@ -129,6 +129,7 @@ def run_demo(
             print(f"{n} {how}:\n  " + "\n  ".join(tail))
         return 1
     summary = summarize(workdir, codes, rounds, time.monotonic() - started)
+    summary.update(heldout_losses(manifest, [workdir / n for n in codes]))
     _print_table(summary)
     if out is not None:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -204,6 +205,27 @@ def summarize(workdir: Path, codes: dict[str, int | None], rounds: int, seconds:
     )
 
 
+def heldout_losses(manifest, checkpoint_dirs: list[Path], max_docs: int = 120) -> dict:
+    """Held-out loss (nats per token) of the swarm's global copies against the same grid at its
+    seeded initial weights, on the run's own held-out documents routed as eval routes them: what
+    the training loss of a round cannot show (a wrong outer step still lowers it within a round)."""
+    from peer.data.sources import eval_documents
+    from peer.model.transformer import GridModel
+    from peer.offline.evaluation import evaluate
+    from peer.offline.grid_checkpoints import assemble_grid
+    from peer.run.rebuild import check_tokenizer, make_route
+
+    docs = eval_documents(manifest.dataset, limit=max_docs)
+    tok, route = check_tokenizer(manifest), make_route(manifest)
+    initial = GridModel(manifest.model, seed=manifest.seed).eval()
+    out = {}
+    for name, grid in (("initial", initial), ("final", assemble_grid(manifest, checkpoint_dirs))):
+        result = evaluate(grid, docs, tok, route, context=manifest.seq_len)
+        out[f"heldout_loss_{name}"] = result.nll / result.tokens
+    out["heldout_docs"] = len(docs)
+    return out
+
+
 def _print_table(s: dict) -> None:
     print()
     print(
@@ -219,3 +241,8 @@ def _print_table(s: dict) -> None:
         f"\nmean loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}; module divergence max "
         f"{s['module_divergence_max']:.2e}; {s['bytes_sent_total']} bytes sent; {s['seconds']}s"
     )
+    if "heldout_loss_final" in s:
+        print(
+            f"held-out loss of the swarm's global copies ({s['heldout_docs']} documents): "
+            f"{s['heldout_loss_initial']:.3f} at initialization -> {s['heldout_loss_final']:.3f}"
+        )
