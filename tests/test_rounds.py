@@ -139,6 +139,32 @@ def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht
     assert torch.equal(results[0].delta, results[1].delta)
 
 
+def test_a_sender_of_three_bad_parts_is_banned_and_left_out_of_later_rounds(dht_factory):
+    deltas = deltas_for(3, seed=6)
+    nan = fp32_bytes(torch.full((NUMEL,), float("nan")))
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=30.0) as members:
+        a, b, hostile = members
+        assert not send_delta(hostile, a, nan, NUMEL).ok
+        assert not send_delta(hostile, a, nan, NUMEL).ok
+        # two bad parts are not yet a ban: a well-formed part is still taken
+        assert send_delta(hostile, a, fp32_bytes(deltas[2]), NUMEL).ok
+        assert not send_delta(hostile, a, nan, NUMEL, round_index=1).ok
+        banned = send_delta(hostile, a, fp32_bytes(deltas[2]), NUMEL, round_index=1)
+        assert not banned.ok and "banned" in banned.reason
+        # the next round: a refuses everything the banned sender offers, b (which saw nothing bad)
+        # takes it, and the agreement on deliveries leaves it out on both
+        started = time.monotonic()
+        results = run_round(members, deltas, [1.0] * 3, round_index=1)
+        seconds = time.monotonic() - started
+        assert b.service.refused["banned"] == 0 and a.service.refused["banned"] >= 2
+    # nobody waits out the averaging timeout for the part a refused
+    assert seconds < 15.0
+    for r in results[:2]:
+        assert r.members == sorted([a.peer_id, b.peer_id]) and hostile.peer_id in r.dropped, r.dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, (deltas[0] + deltas[1]) / 2, atol=1e-7)
+
+
 def test_a_sender_that_sends_different_bytes_to_different_members_is_dropped_by_both(dht_factory):
     deltas = deltas_for(3, seed=5)
     with sync_group(dht_factory, 3, NUMEL) as members:

@@ -4,7 +4,9 @@ The inbox accepts a message only for a module this peer holds, from a peer the c
 it too, for a round inside the window [current, current + LOOKAHEAD_ROUNDS] of that fragment (a
 faster holder may be a round or two ahead; older rounds are over). Each sender gets one delivery and
 one report per round; the number of senders per round is capped; a payload is decoded and checked
-(finite, norm bound) before it counts. Messages are kept until their round is applied.
+(finite, norm bound) before it counts. Messages are kept until their round is applied. A sender
+whose parts fail those checks BAN_AFTER_BAD_PARTS times is refused outright for BAN_SECONDS: its
+headers, payloads and reports cost us nothing more, and every round leaves it out.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ logger = logging.getLogger(__name__)
 LOOKAHEAD_ROUNDS = 2
 
 Key = tuple[str, int, int]  # (module, fragment, round)
+
+#: refusals that only a broken or hostile sender earns (stale, ahead, duplicate, full happen to honest ones)
+HOSTILE_REASONS = frozenset({"shape", "dtype", "nonfinite", "norm"})
+#: hostile refusals after which a sender is banned, and for how long
+BAN_AFTER_BAD_PARTS = 3
+BAN_SECONDS = 600.0
 
 
 def delivery_digest(weight: float, payload: bytes) -> str:
@@ -59,6 +67,8 @@ class _Slot:
 
     deliveries: dict[str, Delivery] = field(default_factory=dict)
     reports: dict[str, Report] = field(default_factory=dict)
+    #: senders whose outer gradient we refused (malformed, non-finite, banned): not waited for
+    refused: dict[str, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -84,6 +94,28 @@ class Inbox:
         self.seen_ahead: dict[tuple[str, int], int] = {}
         #: module -> holder -> when it last offered us an outer gradient (it is active in the module)
         self.active: dict[str, dict[str, float]] = {}
+        self._strikes: dict[str, int] = {}
+        self._banned_until: dict[str, float] = {}
+
+    def strike(self, sender: str, reason: str) -> None:
+        """Counts a refusal against `sender`; the BAN_AFTER_BAD_PARTS-th hostile one bans it."""
+        if reason not in HOSTILE_REASONS:
+            return
+        self._strikes[sender] = self._strikes.get(sender, 0) + 1
+        if self._strikes[sender] >= BAN_AFTER_BAD_PARTS:
+            self._strikes.pop(sender)
+            self._banned_until[sender] = time.monotonic() + BAN_SECONDS
+            logger.warning(
+                f"banned {sender} for {BAN_SECONDS:.0f} s: {BAN_AFTER_BAD_PARTS} malformed, non-finite "
+                "or oversized parts"
+            )
+
+    def banned(self, sender: str) -> bool:
+        until = self._banned_until.get(sender)
+        if until is not None and time.monotonic() >= until:
+            del self._banned_until[sender]
+            until = None
+        return until is not None
 
     def active_holders(self, module: str, within_seconds: float) -> list[str]:
         """Holders that offered outer gradients of `module` lately (readable from any thread)."""
@@ -103,6 +135,8 @@ class Inbox:
             del self._slots[key]
 
     def check_key(self, sender: str, module: str, fragment: int, round_index: int) -> Key:
+        if self.banned(sender):
+            raise Refused("banned", f"{sender} sent too many bad parts")
         sizes = self.fragment_sizes.get(module)
         if sizes is None:
             raise Refused("not_held", f"we do not hold {module}")
@@ -125,6 +159,23 @@ class Inbox:
             if len(senders) >= self.max_senders:
                 raise Refused("full", f"{len(senders)} senders already")
         return key
+
+    def note_refused(self, sender: str, header: DeltaHeader, reason: str) -> None:
+        """A sender's outer gradient for a round we hold was refused as hostile: the round need not
+        wait for it (rounds outside our window or modules we hold are not recorded: no slot for them)."""
+        if reason not in HOSTILE_REASONS and reason != "banned":
+            return
+        k = header.key
+        sizes = self.fragment_sizes.get(k.module)
+        current = self.current.get((k.module, k.fragment), 0)
+        if sizes is None or not 0 <= k.fragment < len(sizes):
+            return
+        if not current <= k.round <= current + LOOKAHEAD_ROUNDS:
+            return
+        slot = self.slot((k.module, k.fragment, k.round))
+        if sender in slot.refused or len(slot.refused) < self.max_senders:
+            slot.refused[sender] = reason
+            slot.changed.set()
 
     def check_delta_header(self, sender: str, header: DeltaHeader) -> Key:
         k = header.key

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 RETRY_SECONDS = 0.5
 
 
+#: why a member that our Δ did not reach is not waited for: it is gone, or already past this round
+GONE = ("unreachable", "ahead")
+
+
 @dataclass
 class RoundResult:
     """What one round produced for this member. `delta` is the group's aggregate (or our own Δ when
@@ -190,12 +194,19 @@ class RoundRunner:
                     sends.append(
                         asyncio.create_task(self._send(sender, frames, deadline, failed, inbox, key))
                     )
-            return all(m in slot.deliveries or m in failed for m in others)
+            # a member that refused our Δ (it banned us, or found it malformed) is still in the round
+            # and sends its own: wait for it, or our report would leave it out while others keep it
+            return all(
+                m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE)
+                for m in others
+            )
 
         await inbox.wait(key, gathered, deadline)
         slot = inbox.slot(key)
         logger.debug(f"{key}: gathered {sorted(slot.deliveries)} of {others}, failed {failed}")
         received = {s: d.digest for s, d in slot.deliveries.items()}
+        for m, why in slot.refused.items():
+            failed.setdefault(m, f"its part was refused ({why})")
         report = wire.Report(
             run=self.service.run, key=header.key, received=received, state_digest=state_digest
         )

@@ -101,7 +101,8 @@ class SyncService:
                 return
         except Refused as e:
             self.refused[e.reason] += 1
-            if e.reason not in ("stale", "ahead"):
+            self.inbox.strike(sender, e.reason)
+            if e.reason not in ("stale", "ahead", "banned"):
                 logger.warning(f"refused a {kind.name.lower()} from {sender}: {e}")
             await self._ack(writer, Ack(ok=False, reason=str(e)[:256]))
             return
@@ -113,6 +114,13 @@ class SyncService:
 
     async def _on_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
         self._check_run(header.run)
+        try:
+            await self._take_delta(sender, header, reader, writer)
+        except Refused as e:
+            self.inbox.note_refused(sender, header, e.reason)
+            raise
+
+    async def _take_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
         key = self.inbox.check_delta_header(sender, header)
         fault_point("sync.receive_delta")
         await self._ack(writer, Ack(ok=True, reason="go"))  # only now may the payload come
