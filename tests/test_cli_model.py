@@ -26,8 +26,11 @@ from peer.run.record import save_record, sign_manifest
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
+    return build_trained_run(tmp_path_factory.mktemp("run"))
+
+
+def build_trained_run(root):
     """A signed manifest and one checkpoint folder per path, after a few DiPaCo rounds."""
-    root = tmp_path_factory.mktemp("run")
     model = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
     dataset = DatasetSpec(kind="builtin", builtin_docs=300, eval_fraction=0.1)
     manifest = build_manifest(

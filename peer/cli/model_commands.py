@@ -44,10 +44,17 @@ def register(subparsers) -> dict[str, Handler]:
     g.add_argument("--top_k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
 
-    x = subparsers.add_parser("export", help="write one path as model.safetensors + config.json")
+    x = subparsers.add_parser("export", help="write one path as a standalone model")
     _source_flags(x)
     x.add_argument("--path", required=True, help="path index or one module index per level (e.g. 1,0)")
     x.add_argument("--out", type=Path, required=True)
+    x.add_argument(
+        "--format",
+        choices=("pathswarm", "hf"),
+        default="pathswarm",
+        help="pathswarm: model.safetensors + config.json for `generate --exported`; hf: a GPT-2 folder "
+        "that transformers' AutoModelForCausalLM and AutoTokenizer load (--out must be new or empty)",
+    )
     return {"eval": cmd_eval, "generate": cmd_generate, "export": cmd_export}
 
 
@@ -227,14 +234,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from peer.model.grid import parse_path, path_index
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
+    from peer.offline.hf_export import check_out_dir, export_hf
     from peer.offline.inference import export_path
 
+    if args.format == "hf":
+        check_out_dir(args.out)  # before the checkpoints are read: it refuses in a moment
     manifest = load_manifest(args.manifest_path)
     path = parse_path(manifest.model, args.path)
     ckpts = read_checkpoints(manifest, args.checkpoints)
     index = path_index(manifest.model, path)
     grid = assemble_grid(manifest, ckpts, paths=[path])
     refuse_untrained(manifest, path_steps(manifest, ckpts), {index: 1.0}, args.allow_untrained, "exporting")
-    out = export_path(grid, path, args.out, manifest)
-    print(f"exported path {','.join(map(str, path))} of run {manifest.name} to {out}")
+    if args.format == "hf":
+        out = export_hf(grid, path, args.out, manifest)
+        print(
+            f"exported path {','.join(map(str, path))} of run {manifest.name} to {out} (Hugging Face GPT-2)"
+        )
+    else:
+        out = export_path(grid, path, args.out, manifest)
+        print(f"exported path {','.join(map(str, path))} of run {manifest.name} to {out}")
     return 0
