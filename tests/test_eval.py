@@ -3,6 +3,7 @@ checkpoints, and DiPaCo's claim (composite beats the dense path-size model at eq
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -121,8 +122,8 @@ def test_assemble_grid_takes_the_most_advanced_copy_and_names_missing_modules(tm
 
 def test_dipaco_composite_beats_the_dense_path_size_model_at_equal_steps():
     """The DiPaCo claim on the built-in multi-domain corpus, 2x2 grid. Both sides take the same
-    number of inner steps of the same batch shape (each path and the dense model), and the dense
-    model is the very run the paths were warm-started from, carried on to the same total steps."""
+    number of inner steps of the same batch shape (each path and the dense model), and both start
+    alike from the base: its weights, a fresh AdamW and a fresh warm-up and cosine."""
     torch.manual_seed(0)
     tok = ByteTokenizer()
     docs = [d["text"] for d in generate_documents(1000, seed=0)]
@@ -139,11 +140,60 @@ def test_dipaco_composite_beats_the_dense_path_size_model_at_equal_steps():
     run = run_dipaco(
         cfg, train, tok, steps, DipacoOptions(warm_start_steps=50, router_docs=400), progress=False
     )
-    dense = run.dense.train(steps)
-    assert run.dense.loop.step_count == 50 + steps
+    baseline_trainer = run.dense_baseline(steps, progress=False)
+    start = baseline_trainer.model.state_dict()
+    assert all(torch.equal(v, start[k]) for k, v in run.base.state_dict().items())
+    assert not baseline_trainer.loop.opt.state  # the base's AdamW moments are not carried over
+    dense = baseline_trainer.train(steps)
+    assert run.base_trainer.loop.step_count == 50
+    assert baseline_trainer.loop.step_count == steps
     assert all(s.loop.step_count == steps for s in run.sim.paths.values())
-    assert {s.loop.batches.batch_size for s in run.sim.paths.values()} == {run.dense.loop.batches.batch_size}
+    batch_sizes = {s.loop.batches.batch_size for s in run.sim.paths.values()}
+    assert batch_sizes == {baseline_trainer.loop.batches.batch_size}
     dipaco = evaluate(run.grid(), held_out, tok, run.route, context=cfg.seq_len)
     baseline = evaluate(dense, held_out, tok, run.route, context=cfg.seq_len)
     assert dipaco.tokens == baseline.tokens > 10_000
     assert dipaco.ppl < 0.95 * baseline.ppl, (dipaco.ppl, baseline.ppl)
+
+
+def test_dipaco_benchmark_reports_three_baselines_at_their_stated_budgets(tmp_path):
+    """A tiny run of `python -m benchmarks.dipaco`: every key the README quotes is written, and each
+    baseline took the batch-steps and tokens its docstring states (same tokens: the grid's warm
+    start + n_paths x steps_per_path, the base counted once; all params: as many parameters as the
+    grid, from scratch)."""
+    from benchmarks import dipaco
+
+    warm, per_path = 6, 10
+    argv = f"--out {tmp_path} --builtin_docs 400 --steps_per_path {per_path} --warm_start_steps {warm}"
+    argv += " --d_model 32 --seq_len 32 --batch_size 4 --inner_steps 5 --max_eval_docs 20"
+    assert dipaco.main(argv.split()) == 0
+    r = json.loads((tmp_path / "dipaco.json").read_text())
+    for key in ("composite_ppl", "dense_ppl", "dense_same_tokens_ppl", "dense_all_params_ppl"):
+        assert math.isfinite(r[key]) and r[key] > 1
+    assert r["ratio"] == r["composite_ppl"] / r["dense_ppl"]
+    assert r["ratio_same_tokens"] == r["composite_ppl"] / r["dense_same_tokens_ppl"]
+    assert r["ratio_all_params"] == r["composite_ppl"] / r["dense_all_params_ppl"]
+    models, tokens_per_step = r["models"], 4 * 32
+    grid, same = models["dipaco 2x2"], models["dense same tokens"]
+    assert (grid["steps"], grid["base_steps"], grid["steps_after_base"]) == (
+        warm + 4 * per_path,
+        warm,
+        4 * per_path,
+    )
+    assert (same["steps"], same["base_steps"], same["steps_after_base"]) == (
+        warm + 4 * per_path,
+        warm,
+        4 * per_path,
+    )
+    assert same["tokens"] == grid["tokens"] == (warm + 4 * per_path) * tokens_per_step
+    assert (models["dense"]["steps"], models["dense"]["tokens"]) == (
+        warm + per_path,
+        (warm + per_path) * tokens_per_step,
+    )
+    everything = models["dense all params"]
+    assert (everything["base_steps"], everything["steps"]) == (0, warm + 4 * per_path)
+    assert everything["params"] == r["dense_all_params_params"] == r["grid_params"] == grid["params"]
+    assert same["params"] == r["path_params"] == grid["params_per_path"] < r["grid_params"]
+    table = (tmp_path / "dipaco.md").read_text()
+    assert "dense same tokens" in table and "dense all params" in table
+    assert (tmp_path / "dipaco.png").stat().st_size > 10_000

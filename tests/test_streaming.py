@@ -207,11 +207,20 @@ def test_p1_tau0_reproduces_per_module_diloco():
 @pytest.mark.parametrize("name", sorted(CODEC_SPECS))
 def test_codecs_round_trip_within_their_error_and_refuse_bad_buffers(name):
     codec, spec = make_codec(name), CODEC_SPECS[name]
-    x = torch.randn(10_001) * 0.01
+    # seed 0 at 10,001 numbers is one of `python -m benchmarks.codec_error`'s samples; the bound
+    # (CODEC_SPECS, the benchmark's max over sizes and seeds x 1.05) is tight, so a fixed sample
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(0)) * 0.01
     data = codec.encode(x)
     y = codec.decode(data, x.numel())
     assert y.shape == x.shape and y.dtype == torch.float32
     assert float((x - y).norm() / x.norm()) <= spec.error_bound
+    if spec.block:
+        # The last, partial block (17 numbers; its padding and scale are where a size bug would
+        # hide) is too small a share for the whole vector's error to show a fault there: it is held
+        # to the same bound on its own. On this sample its error is below it (int8 0.0076, nf4 0.069,
+        # e3m0 0.158, sparse 0.517).
+        tail = x.numel() % spec.block
+        assert float((x[-tail:] - y[-tail:]).norm() / x[-tail:].norm()) <= spec.error_bound
     # the table's size (what the receiver checks before reading, and planning counts) is exact
     assert len(data) == spec.wire_bytes(x.numel())
     with pytest.raises(ValueError):
@@ -233,7 +242,7 @@ def test_sparse_codec_refuses_reordered_indices_and_negative_scales():
     negative[1] |= 0x80  # the sign bit of the first block's bf16 scale (little-endian)
     with pytest.raises(ValueError, match="negative"):
         codec.decode(bytes(negative), x.numel())
-    # the sparse code keeps 2% of the values and costs 1/102 of fp32
+    # the sparse code keeps 2% of the values and costs 1/108 of fp32 (9.5 bytes per 256 values)
     assert int((codec.decode(bytes(data), x.numel()) != 0).sum()) == blocks * CODEC_SPECS["sparse"].topk
     assert 4 / CODEC_SPECS["sparse"].wire_bytes_per_value > 100
 

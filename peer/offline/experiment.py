@@ -3,9 +3,13 @@
 The levers the DESIGN probe found decisive are options here: a warm start of every path from a
 briefly trained dense base model (the paper starts from 24k of 88k dense steps), router features
 from that trained base rather than from an untrained model, capacity-balanced routing, private
-blocks per path (a `ModelConfig` field) and the optional discriminative re-routing phase. The dense
-path-size baseline is the base model's own run carried on to the same number of steps, so DiPaCo
-and the baseline share their first steps exactly, as in the paper.
+blocks per path (a `ModelConfig` field) and the optional discriminative re-routing phase.
+
+Path-size dense baselines (`DipacoRun.dense_baseline`) get exactly the paths' treatment after the
+base: the base model's weights, a fresh AdamW and a fresh warm-up and cosine over their own steps.
+Neither side inherits the base's optimizer state or the rest of its schedule, as a peer joining
+from a base checkpoint would not, so DiPaCo and the baselines share their first steps exactly and
+differ only in what comes after.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class DipacoOptions(BaseModel):
 
 @dataclass
 class DipacoRun:
-    """What an experiment produced: the trained grid, its router and shards, and the dense run."""
+    """What an experiment produced: the trained grid, its router and shards, and the base run."""
 
     sim: DipacoSim
     router: Router
@@ -60,9 +64,10 @@ class DipacoRun:
     shards: dict[int, list[str]]
     #: the dense path-size model after its first `warm_start_steps` (None without a warm start)
     base: PathModel | None
-    #: the same dense run, ready to continue to the baseline at equal steps
-    dense: DenseTrainer
+    #: the dense run that trained the base (its step and token counts are the warm start's)
+    base_trainer: DenseTrainer
     routers: list[Router]
+    train_docs: Sequence[str]
 
     @property
     def route(self) -> Route:
@@ -70,6 +75,15 @@ class DipacoRun:
 
     def grid(self) -> GridModel:
         return self.sim.grid()
+
+    def dense_baseline(self, steps: int, desc: str = "dense", progress: bool = True) -> DenseTrainer:
+        """A path-size dense model set up as every path was after the base: a copy of the base's
+        weights (the seeded init without a warm start), a fresh AdamW, a warm-up and cosine over
+        `steps`, and all training documents in a batch stream of its own (seeded by `desc`).
+        `.train(steps)` trains it."""
+        model = copy.deepcopy(self.base) if self.base is not None else None
+        cfg, tok = self.sim.cfg, self.sim.tokenizer
+        return DenseTrainer(cfg, self.train_docs, tok, steps, model=model, progress=progress, desc=desc)
 
 
 def shard(documents: Sequence[str], route: Route, tokenizer: Tokenizer, n_paths: int) -> dict[int, list[str]]:
@@ -100,14 +114,15 @@ def run_dipaco(
     options: DipacoOptions = DipacoOptions(),
     progress: bool = True,
 ) -> DipacoRun:
-    """Trains DiPaCo on `train_docs` for `warm_start_steps` dense steps, then `steps_per_path` steps
-    on every path. `run.dense.train(steps_per_path)` then gives the baseline at equal steps."""
+    """Trains DiPaCo on `train_docs` for `warm_start_steps` dense steps (the base, on a cosine as
+    long as the warm start plus one path's steps), then `steps_per_path` steps on every path, each
+    with a fresh AdamW and schedule. `run.dense_baseline(n).train(n)` gives a baseline treated alike."""
     mcfg, o = cfg.model, options
     total = o.warm_start_steps + steps_per_path
-    dense = DenseTrainer(cfg, train_docs, tokenizer, total, progress=progress, desc="dense")
+    base_trainer = DenseTrainer(cfg, train_docs, tokenizer, total, progress=progress, desc="base")
     base = None
     if o.warm_start_steps:
-        base = copy.deepcopy(dense.train(o.warm_start_steps))
+        base = copy.deepcopy(base_trainer.train(o.warm_start_steps))
     use_base = base is not None and o.router_features == "base"
     features = base if use_base else feature_model(mcfg, cfg.seed)
     router_tokens = [encode_document(tokenizer, t) for t in train_docs[: o.router_docs]]
@@ -135,4 +150,4 @@ def run_dipaco(
         sim.train(steps_per_path - min(first, steps_per_path))
     else:
         sim.train(steps_per_path)
-    return DipacoRun(sim, router, features, shards, base, dense, routers)
+    return DipacoRun(sim, router, features, shards, base, base_trainer, routers, train_docs)

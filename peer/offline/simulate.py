@@ -6,8 +6,8 @@ module, the outer gradients Δᵢ = θ̄ − θᵢ of the paths through it are a
 and one `ModuleSync` (global copy + SGD-Nesterov) takes the outer step, whose result is loaded into
 every path's local copy. That is what the swarm's holders do over the network, minus the network.
 
-`train_dense` trains the baselines (a single stack of the same blocks, or a wider one) with the same
-inner optimizer and batches. `warm_start_modules` cuts a trained dense model into grid modules so
+`train_dense` trains the baselines (a single stack of the same blocks, or any `dense_shape`) with the
+same inner optimizer and batches. `warm_start_modules` cuts a trained dense model into grid modules so
 every path starts from one base model, as the DiPaCo paper does.
 """
 
@@ -62,11 +62,17 @@ class SimConfig(BaseModel):
 def dense_config(cfg: ModelConfig, width_multiplier: int = 1) -> ModelConfig:
     """A 1x1 grid with as many blocks as one path of `cfg`. Doubling the width (and heads, so the head
     size stays) gives a model with about 4x the block parameters at the same depth."""
-    w = width_multiplier
-    shape = dict(d_model=cfg.d_model * w, d_ff=cfg.d_ff * w, n_heads=cfg.n_heads * w)
-    grid = dict(
-        n_levels=1, modules_per_level=1, blocks_per_module=cfg.blocks_per_path, private_blocks_per_path=0
-    )
+    return dense_shape(cfg, cfg.d_model * width_multiplier, cfg.blocks_per_path)
+
+
+def dense_shape(cfg: ModelConfig, d_model: int, blocks: int) -> ModelConfig:
+    """A 1x1 grid of `blocks` blocks of width `d_model`, with the head size and the d_ff / d_model
+    ratio of `cfg` (so only width and depth differ from a path of `cfg`)."""
+    head = cfg.d_model // cfg.n_heads
+    if d_model % head or (cfg.d_ff * d_model) % cfg.d_model:
+        raise ValueError(f"d_model={d_model} must be a multiple of the head size {head}")
+    shape = dict(d_model=d_model, d_ff=cfg.d_ff * d_model // cfg.d_model, n_heads=d_model // head)
+    grid = dict(n_levels=1, modules_per_level=1, blocks_per_module=blocks, private_blocks_per_path=0)
     return ModelConfig(**{**cfg.model_dump(), **shape, **grid})
 
 
@@ -98,6 +104,7 @@ class InnerLoop:
         self.opt = make_inner_optimizer(model.parameters(), inner)
         self.step_count = 0
         self.tokens_since_sync = 0
+        self.tokens_seen = 0  # all steps: what the benchmarks report as a model's token budget
         self.losses: list[float] = []
 
     def step(self) -> float:
@@ -106,6 +113,7 @@ class InnerLoop:
         loss = inner_step(self.model, self.opt, batch, self.inner, self.step_count, self.total_steps)
         self.step_count += 1
         self.tokens_since_sync += tokens_in(batch)
+        self.tokens_seen += tokens_in(batch)
         self.losses.append(loss)
         return loss
 
