@@ -13,9 +13,7 @@ import importlib.metadata
 import logging
 import platform
 import threading
-from typing import NamedTuple
 
-import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client import start_http_server as _start_http_server
 
@@ -34,28 +32,6 @@ def _package_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-class NetBytes(NamedTuple):
-    """Host-wide bytes sent and received since boot."""
-
-    sent: int
-    received: int
-
-
-def network_bytes() -> NetBytes | None:
-    """Bytes sent/received by the whole host since boot (psutil), or None where it is unavailable.
-
-    A fallback for traffic the trainer cannot count itself: diff two readings around a round. It counts
-    every process on the host, so it over-counts on shared machines.
-    """
-    try:
-        counters = psutil.net_io_counters()
-    except (OSError, RuntimeError):
-        return None
-    if counters is None:
-        return None
-    return NetBytes(counters.bytes_sent, counters.bytes_recv)
 
 
 class PeerMetrics:

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.timeout(450)
 def test_demo_trains_and_holders_agree(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(

@@ -65,9 +65,16 @@ def test_parse_rejects(spec):
         parse_faults(spec)
 
 
-def test_unset_is_noop():
+def test_unset_variable_fires_nothing_even_after_a_spec_was_set(monkeypatch):
     for _ in range(3):
+        assert fault_point("train.step") is None
+    monkeypatch.setenv(ENV_VAR, "train.step=raise")
+    with pytest.raises(InjectedFault):
         fault_point("train.step")
+    # the parsed spec follows the variable: once it is gone, nothing fires any more
+    monkeypatch.delenv(ENV_VAR)
+    for _ in range(3):
+        assert fault_point("train.step") is None
 
 
 def test_raise_every_time(monkeypatch):

@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitoring.metrics import BAD_PART_REASONS, OUTCOMES, PeerMetrics, network_bytes
+from monitoring.metrics import BAD_PART_REASONS, OUTCOMES, PeerMetrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -100,9 +100,3 @@ def test_two_peers_do_not_collide():
         a.shutdown()
         b.shutdown()
         a.shutdown()  # idempotent
-
-
-def test_network_bytes():
-    reading = network_bytes()
-    if reading is not None:
-        assert reading.sent >= 0 and reading.received >= 0

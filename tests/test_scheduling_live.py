@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -21,6 +22,7 @@ from peer.swarm.planning import build_snapshot, my_averaging_group, path_paramet
 RUN = "plantest"
 
 
+@pytest.mark.timeout(420)
 def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
     manifest = build_manifest(
         RUN,

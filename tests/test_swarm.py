@@ -43,6 +43,7 @@ def rounds_in_log(log: str) -> list[str]:
     return re.findall(r"round \d+ step \d+ loss [\d.]+ (\{.*\})", log)
 
 
+@pytest.mark.timeout(300)
 def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
     path, run_id = manifest_file
     with LocalSwarm(tmp_path / "logs") as swarm:
@@ -117,6 +118,7 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
     assert shared and all(torch.equal(tensors_a[k], tensors_b[k]) for k in shared)
 
 
+@pytest.mark.timeout(240)
 def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):
     path, run_id = manifest_file
     ckpt = tmp_path / "ckpt"
@@ -145,6 +147,7 @@ def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):
     assert not torch.equal(tensors["trunk/global/tok_emb.weight"], tensors2["trunk/global/tok_emb.weight"])
 
 
+@pytest.mark.timeout(240)
 def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
     path, run_id = manifest_file
     ckpt = tmp_path / "ckpt"
@@ -195,6 +198,7 @@ def fragment_payload_bytes(manifest_path: Path, codec: str) -> list[int]:
     return [sum(spec.wire_bytes(ms.fragment_size(f)) for ms in syncs) for f in range(n)]
 
 
+@pytest.mark.timeout(300)
 def test_resumed_p4_nf4_peers_keep_each_fragments_round_rejoin_their_groups_and_stay_identical(tmp_path):
     """H = 8, P = 4, NF4 outer gradients: fragment p syncs after steps 2p, 2p + 8, ... Peers stopped
     after step 12 have fragments at rounds [1, 2, 2, 1]; resumed to step 16, fragment 3 (step 14) and

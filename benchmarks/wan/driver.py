@@ -352,7 +352,7 @@ def evaluate_runs(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ok, why = can_make_namespaces()
+    ok, why = can_make_namespaces(install=True)
     if not ok:
         print(f"benchmarks.wan: skipped: cannot make network namespaces here ({why})")
         return 0
