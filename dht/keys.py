@@ -2,8 +2,7 @@
 
 Keys are plain strings that hivemind hashes into DHT ids. Each entry says who writes it, under which
 subkey, and how long a record lives. Records under these keys are validated by `dht.validators`
-(owner signature, schema, expiry cap); the averaging prefixes are used by hivemind's matchmaking,
-which writes its own records beneath them.
+(owner signature, schema, expiry cap). Sync groups need no key: holders derive them from the claims.
 """
 
 from __future__ import annotations
@@ -60,12 +59,6 @@ def stash_key(run_name: str, run_id: str) -> str:
     its owner subkey, listing each module's fragment rounds and digest; TTL STASH_TTL_SECONDS,
     re-published as the kept states advance."""
     return f"{run_namespace(run_name, run_id)}_stash"
-
-
-def averaging_prefix(run_name: str, run_id: str, module_id: str, fragment: int = 0) -> str:
-    """hivemind matchmaking prefix for the holders of one module fragment (hivemind writes the
-    group records under it, with its own short expirations)."""
-    return f"{run_namespace(run_name, run_id)}_avg_{module_id}_f{fragment}"
 
 
 def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
