@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MODULE_ID = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
+_PATH_INDEX = re.compile(r"^\d{1,7}$")
+
+#: a claim's `path_steps` names at most this many paths (a peer keeps its most trained ones there)
+MAX_PATH_STEPS_ENTRIES = 64
 
 
 class Record(BaseModel):
@@ -74,6 +78,10 @@ class ClaimRecord(Record):
     bad_parts: dict[str, int] = Field(default_factory=dict, max_length=16)
     bytes_sent: int = Field(0, ge=0)
     bytes_received: int = Field(0, ge=0)
+    #: path index (decimal) -> inner steps this peer trained on that path, its most trained paths
+    #: (added after version 2: absent in older peers' claims). A claim, not a fact: it only steers
+    #: which path a peer rotates to (peer/swarm/rotation.py), never what is averaged or trusted.
+    path_steps: dict[str, int] = Field(default_factory=dict, max_length=MAX_PATH_STEPS_ENTRIES)
 
     @field_validator("modules")
     @classmethod
@@ -81,6 +89,14 @@ class ClaimRecord(Record):
         for m in v:
             if not _MODULE_ID.match(m):
                 raise ValueError(f"bad module id {m!r}")
+        return v
+
+    @field_validator("path_steps")
+    @classmethod
+    def _path_steps(cls, v: dict[str, int]) -> dict[str, int]:
+        for path, steps in v.items():
+            if not _PATH_INDEX.match(path) or not 0 <= steps < 2**40:
+                raise ValueError(f"bad path steps {path!r}: {steps!r}")
         return v
 
     @field_validator("digests", "module_rounds")

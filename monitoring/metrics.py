@@ -109,7 +109,8 @@ class PeerMetrics:
             {"version": version, "python": platform.python_version(), "torch": _package_version("torch")}
         )
         self.peer_info = Info("pathswarm_peer", "Identity of this peer.", registry=r)
-        self.peer_info.info({"run": run, "path": path, "peer_id": peer_id})
+        self._identity = {"run": run, "path": path, "peer_id": peer_id}
+        self.peer_info.info(self._identity)
 
         # Export every fixed label value from the start: rate() over a series that appears late misses
         # its first increment, and dashboards would show "no data" instead of zero.
@@ -167,6 +168,16 @@ class PeerMetrics:
         if reason not in BAD_PART_REASONS:
             raise ValueError(f"unknown bad-part reason {reason!r}; expected one of {BAD_PART_REASONS}")
         self.bad_parts.labels(reason).inc()
+
+    def set_path(self, path: str) -> None:
+        """The path label after the peer rotated to another path; the holders of modules it left
+        are no longer ours to report."""
+        self._identity = {**self._identity, "path": path}
+        self.peer_info.info(self._identity)
+        with self._lock:
+            for module in self._modules:
+                self.module_holders.remove(module)
+            self._modules.clear()
 
     def set_holders(self, module: str, n: int) -> None:
         """Set how many peers hold ``module`` (e.g. "trunk", "L0M1")."""

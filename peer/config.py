@@ -210,6 +210,10 @@ class PeerConfig(BaseModel):
     max_rounds: int | None = Field(None, ge=1)
     max_steps: int | None = Field(None, ge=1)
     heartbeat_seconds: float = Field(5.0, gt=0)
+    #: with fewer live peers than paths, every N outer rounds one peer of a most-trained path moves
+    #: to the least-trained path nobody holds (peer/swarm/rotation.py); 0 = never. A peer given
+    #: --path stays on it.
+    rotate_every_rounds: int = Field(4, ge=0)
     #: start training only once this many peers (this one included) are ready, e.g. for a run
     #: whose peers start together; 0 = start at once
     wait_for_peers: int = Field(0, ge=0)

@@ -92,11 +92,13 @@ def logs_of(swarm: LocalSwarm, *names: str) -> str:
 
 
 def checkpoints_by_count(ckpt, module: str) -> dict:
-    """The checkpoints of a peer by how many syncs `module` had done (the first of each count)."""
+    """The checkpoints of a peer by how many syncs `module` had done (the first of each count), among
+    those that hold it (a peer that rotated held other modules before)."""
     out = {}
     for info in list_checkpoints(ckpt):
-        if info.complete:
-            out.setdefault(info.manifest["meta"]["fragment_rounds"][module][0], info.path)
+        rounds = info.manifest["meta"]["fragment_rounds"].get(module) if info.complete else None
+        if rounds is not None:
+            out.setdefault(rounds[0], info.path)
     return out
 
 

@@ -48,6 +48,13 @@ def register(subparsers) -> dict[str, Handler]:
     p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
     p.add_argument("--max_rounds", type=int, default=s, help="stop after this many outer rounds")
     p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
+    p.add_argument(
+        "--rotate_every_rounds",
+        type=int,
+        default=s,
+        help="with fewer peers than paths, every N outer rounds one peer moves to the least-trained "
+        "path nobody holds, so every path gets trained (default 4; 0: never; a --path peer stays)",
+    )
     p.add_argument("--torch_threads", type=int, default=s)
     p.add_argument("--heartbeat_seconds", type=float, default=s)
     p.add_argument("--probe_file", default=s, help="JSON of injected probe values (tests, benchmarks)")

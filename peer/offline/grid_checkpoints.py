@@ -101,11 +101,22 @@ def assemble_grid(
 
 def path_steps(manifest: RunManifest, ckpts: Sequence[PeerCheckpoint]) -> dict[int, int]:
     """Inner steps trained on each path of the grid: the sum over the peers whose checkpoint says
-    they trained it. A path whose modules all come from other paths' peers still has 0 — its
-    modules were trained, the combination never was."""
+    they trained it — its `path_steps` (a peer that rotated trained several paths), else all its
+    steps on the path it names. A path whose modules all come from other paths' peers still has 0:
+    its modules were trained, the combination never was."""
     cfg = manifest.model
     steps = {path_index(cfg, p): 0 for p in all_paths(cfg)}
     for ckpt in ckpts:
+        per_path = ckpt.meta.get("path_steps")
+        if isinstance(per_path, dict) and per_path:
+            for key, n in per_path.items():
+                try:
+                    index, count = int(key), int(n)
+                except (ValueError, TypeError):
+                    continue
+                if index in steps and count > 0:
+                    steps[index] += count
+            continue
         path = ckpt.meta.get("path")
         if isinstance(path, list) and len(path) == cfg.n_levels:
             try:

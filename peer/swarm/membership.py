@@ -39,6 +39,7 @@ from peer.swarm.probes import (
     publish_probe,
     sample_peers,
 )
+from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Progress:
     bad_parts: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: path index -> inner steps this peer trained on it (several paths once it rotated)
+    path_steps: dict[int, int] = field(default_factory=dict)
 
 
 class Membership:
@@ -135,10 +138,11 @@ class Membership:
         with self._lock:
             return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id)[""]]
 
-    def modules_only_we_hold(self) -> list[str]:
-        """Modules of our path no other ready peer holds (we are their last holder)."""
+    def modules_only_we_hold(self, modules: list[str] | None = None) -> list[str]:
+        """Modules of our path (or `modules` of it) no other ready peer holds (we are their last holder)."""
         others = holders_by_module({p: c for p, c in self.claims.items() if p != self.peer_id})
-        return [m for m in path_module_ids(self.manifest.model, self.path) if not others.get(m)]
+        ours = path_module_ids(self.manifest.model, self.path) if modules is None else modules
+        return [m for m in ours if not others.get(m)]
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""
@@ -182,6 +186,7 @@ class Membership:
             bad_parts=p.bad_parts,
             bytes_sent=p.bytes_sent,
             bytes_received=p.bytes_received,
+            path_steps=claimed_path_steps(p.path_steps),
         )
 
     def publish_claim(self, leaving: bool = False) -> None:
@@ -271,6 +276,31 @@ class Membership:
         current = path_index(mcfg, self.path)
         target = should_move(mcfg, self.claims, self.peer_id, current)
         return current if target is None else target
+
+    def rotation(self, round_index: int) -> Rotation | None:
+        """The swarm's rotation at the end of `round_index`, from a fresh claim view with our own
+        claim as it is now. Views a heartbeat apart differ by about a round's steps per path: that
+        much is tolerated in the choice of candidates, so that peers agree on who moves."""
+        claims = dict(self.read_claims())
+        claims[self.peer_id] = self.claim_record()
+        return plan_rotation(
+            self.manifest.model,
+            claims,
+            round_index,
+            self.config.rotate_every_rounds,
+            tolerance=self.manifest.inner_steps,
+        )
+
+    def move_to(self, path: Path) -> None:
+        """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`."""
+        self.path = path
+        self.ready = False
+        self.publish_claim()
+
+    def start_path(self) -> None:
+        """Ready to average on the path we moved to."""
+        self.ready = True
+        self.announce()
 
     def wait_for_peers(self, n: int, ready_only: bool) -> None:
         """Waits until `n` peers (us included) have claimed a path, or are ready to average."""

@@ -41,6 +41,14 @@ logger = logging.getLogger(__name__)
 Donors = dict[str, list[tuple[str, int]]]
 
 
+def _trains(ms: ModuleSync, part: torch.nn.Module) -> bool:
+    """Whether `ms` keeps the global copy of exactly these parameters (the path model reused them)."""
+    params = list(part.parameters())
+    return len(params) == len(ms.local_params) and all(
+        a is b for a, b in zip(params, ms.local_params, strict=True)
+    )
+
+
 class PathSync:
     """A `ModuleSync` per module of one path, the outer loop over them and the protocol behind it."""
 
@@ -52,7 +60,10 @@ class PathSync:
         metrics: PeerMetrics,
         group_of: GroupOf | None = None,
         round_of: Callable[[], int] | None = None,
+        kept: PathSync | None = None,
     ):
+        """`kept`: the sync layer of the path this peer rotates away from; the modules both paths
+        share keep their state (global copy, momentum, rounds) and its totals carry on."""
         self.manifest = manifest
         self.peer_id = peer_id
         self.metrics = metrics
@@ -60,13 +71,18 @@ class PathSync:
         paths_through = {
             mid: sum(mid in path_module_ids(cfg, p) for p in all_paths(cfg)) for mid in model.module_ids
         }
+        old = kept.syncs if kept is not None else {}
         self.syncs = {
-            mid: ModuleSync(
+            mid: old[mid]
+            if mid in old and _trains(old[mid], model.parts[mid])
+            else ModuleSync(
                 cfg, mid, model.parts[mid], manifest.outer, manifest.sync.fragments, paths_through[mid]
             )
             for mid in model.module_ids
         }
         self.outer = StreamingOuter(self.syncs, manifest, peer_id, metrics, group_of, round_of)
+        if kept is not None:
+            self.outer.totals = kept.outer.totals
         self.outer.on_applied = self._applied
         self.outer.on_behind = self._behind
         self.outer.on_started = self._started
@@ -83,18 +99,32 @@ class PathSync:
         """The trunk is on every path, so its round is the swarm's clock."""
         return self.syncs[TRUNK].outer_round
 
-    def start(self, dht: hivemind.DHT, is_holder: Callable[[str, str], bool]) -> None:
-        """Opens this peer's end of the protocol (call once the modules hold their starting state)."""
+    def start(
+        self,
+        dht: hivemind.DHT,
+        is_holder: Callable[[str, str], bool],
+        service: SyncService | None = None,
+    ) -> None:
+        """Opens this peer's end of the protocol (call once the modules hold their starting state).
+        After a rotation, `service` is the old path's: the peer keeps its P2P stream handler (the
+        daemon does not reliably route a protocol re-registered by another replica) and its inbox's
+        bans and pending deliveries; only the modules the inbox accepts change."""
         sync = self.manifest.sync
         codec = make_codec(sync.codec)
-        inbox = Inbox(
-            {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()},
-            codec,
-            is_holder,
-            max_senders=sync.max_round_senders,
-            max_delta_norm=sync.max_delta_norm,
-        )
-        self.service = SyncService(dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30)
+        sizes = {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()}
+        if service is None:
+            inbox = Inbox(
+                sizes,
+                codec,
+                is_holder,
+                max_senders=sync.max_round_senders,
+                max_delta_norm=sync.max_delta_norm,
+            )
+            service = SyncService(dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30)
+        else:
+            service.inbox.fragment_sizes = sizes
+            self._refused_seen = Counter(service.refused)
+        self.service = service
         install_state_handlers(self.service, self._snapshot, self.history)
         install_copy_handler(self.service, self.copies)
         aggregator = AggregatorConfig(
@@ -205,8 +235,9 @@ class PathSync:
         self.align()
         return downloaded
 
-    def hand_over(self, modules: list[str], keepers: list[str]) -> None:
-        """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits."""
+    def hand_over(self, modules: list[str], keepers: list[str]) -> list[str]:
+        """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits;
+        returns the modules no keeper took."""
         timeout = self.manifest.sync.averaging_timeout_seconds + 30
 
         async def ask(module: str, keeper: str) -> bool:
@@ -219,12 +250,15 @@ class PathSync:
                 logger.warning(f"{module}: keeper {keeper} did not take our state: {type(e).__name__}: {e}")
                 return False
 
+        untaken = []
         for module in modules:
             taken = [k for k in keepers if self.service.call(ask(module, k), timeout + 5)]
             if taken:
                 logger.info(f"{module}: we were its last holder; keeper {taken[0]} took our state")
             else:
                 logger.warning(f"{module}: we were its last holder and no keeper took our state")
+                untaken.append(module)
+        return untaken
 
     def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
         """Loads a module's state from the first donor whose state another holder confirms."""

@@ -3,8 +3,9 @@
 `Peer.start()` joins the DHT, verifies the run manifest, claims a path (`Membership`), builds the
 path model and its sync layer (`PathSync`), restores a checkpoint or catches up with the holders
 that are ahead, and starts the heartbeat. `Peer.run()` is the inner loop, with fragment syncs and
-outer steps at Streaming DiLoCo's offsets. `Peer.close()` checkpoints, announces that the peer is
-leaving and shuts everything down; it is safe to call at any point.
+outer steps at Streaming DiLoCo's offsets; with fewer peers than paths, a peer rotates to the
+least-trained path every --rotate_every_rounds rounds (`Peer._rotate`). `Peer.close()` checkpoints,
+announces that the peer is leaving and shuts everything down; it is safe to call at any point.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ from peer.seeding import stable_seed
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.reachability import DialBackService, helpers_from
+from peer.swarm.rotation import Rotation
 from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
+from peer.sync.service import SyncService
 from peer.training.history import RoundHistory
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
+from peer.training.rotate import PathRotation
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ logger = logging.getLogger(__name__)
 TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
 
 
-class Peer:
+class Peer(PathRotation):
     """A volunteer's peer: joins a run, trains one path and keeps its modules in sync."""
 
     def __init__(self, config: PeerConfig):
@@ -69,6 +73,9 @@ class Peer:
         self.last_loss = float("nan")
         self.tokens_per_second = 0.0
         self.history = RoundHistory()
+        #: path index -> inner steps this peer trained on it (several paths once it rotated)
+        self.path_steps: dict[int, int] = {}
+        self._rotation: Rotation | None = None
         self._checkpointed_step = -1
         self._closed = False
         self._dir_lock: CheckpointDirLock | None = None
@@ -124,16 +131,7 @@ class Peer:
         self._build_model()
         if resumed is not None:
             self._restore(*resumed)
-        self.sync.start(self.dht, self.membership.is_holder)
-        downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
-        self.outer_round = max(self.outer_round, self.sync.outer_round)
-        if downloaded:
-            # a crash before the first round must not cost the download again (minutes for a big path)
-            try:
-                self.checkpoint()
-            except CheckpointError as e:
-                logger.error(f"checkpoint of the downloaded state failed, training goes on: {e}")
-        self._start_data()
+        self._join_path()
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             logger.info(f"metrics on http://{cfg.metrics_host}:{port}/metrics")
@@ -200,13 +198,20 @@ class Peer:
             raise ConfigError(f"checkpoint in {self.config.checkpoint_dir} belongs to another run")
         return tensors, meta
 
-    def _build_model(self) -> None:
+    def _build_model(self, kept: PathModel | None = None, kept_sync: PathSync | None = None) -> None:
+        """The path model, its inner optimizer and its sync layer; on a rotation, the modules the
+        new path shares with `kept` (the old path's model) stay as they are, sync state included."""
         m = self.manifest
-        self.model = PathModel(m.model, self.path, seed=m.seed).to(self.device)
+        shared = dict(kept.parts.items()) if kept is not None else None
+        self.model = PathModel(m.model, self.path, seed=m.seed, modules=shared).to(self.device)
+        # DiPaCo gives each path its own inner optimizer: a path we rotate to starts a fresh one
+        # (the old path's Adam moments belong to modules and a data shard we no longer train)
         self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
-        self.metrics = PeerMetrics(
-            self.config.run, self.peer_id, str(path_index(m.model, self.path)), __version__
-        )
+        label = str(path_index(m.model, self.path))
+        if self.metrics is None:
+            self.metrics = PeerMetrics(self.config.run, self.peer_id, label, __version__)
+        else:
+            self.metrics.set_path(label)
         self.sync = PathSync(
             m,
             self.model,
@@ -214,7 +219,23 @@ class Peer:
             self.metrics,
             group_of=self.membership.group_of,
             round_of=lambda: self.outer_round,
+            kept=kept_sync,
         )
+
+    def _join_path(self, service: SyncService | None = None) -> None:
+        """Opens our path's sync layer (on the old path's `service` after a rotation), downloads the
+        modules whose holders (or keepers) are ahead of us and reads the path's data shard: at
+        start-up and after a rotation."""
+        self.sync.start(self.dht, self.membership.is_holder, service)
+        downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
+        self.outer_round = max(self.outer_round, self.sync.outer_round)
+        if downloaded:
+            # a crash before the first round must not cost the download again (minutes for a big path)
+            try:
+                self.checkpoint()
+            except CheckpointError as e:
+                logger.error(f"checkpoint of the downloaded state failed, training goes on: {e}")
+        self._start_data()
 
     def _start_data(self) -> None:
         m = self.manifest
@@ -247,26 +268,25 @@ class Peer:
             progress.sync_outcomes = dict(totals.outcomes)
             progress.bad_parts = dict(totals.bad_parts)
             progress.bytes_sent, progress.bytes_received = totals.bytes_sent, totals.bytes_received
+        progress.path_steps = dict(self.path_steps)
         return progress
 
     # --- training -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        m, cfg = self.manifest, self.config
+        m = self.manifest
         autocast = autocast_for(self.device)
         self.model.train()
         window_started, window_tokens = time.monotonic(), 0
         self.history.start_clock()
-        while not self.stop_requested.is_set():
-            if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                break
-            if cfg.max_rounds is not None and self.outer_round >= cfg.max_rounds:
-                break
+        while not self._finishing():
             fault_point("train.step")
             batch = next(self.batches).to(self.device)
             self.last_loss = inner_step(self.model, self.inner, batch, m.inner, self.step, autocast=autocast)
             tokens = tokens_in(batch)
             self.step += 1
+            index = path_index(m.model, self.path)
+            self.path_steps[index] = self.path_steps.get(index, 0) + 1
             self.tokens_total += tokens
             window_tokens += tokens
             self.history.add_loss(self.last_loss)
@@ -278,6 +298,10 @@ class Peer:
             holders = self.membership.holders()
             for done in self.sync.outer.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
+            if self._rotation is not None:  # decided at the round's end, made once its syncs are all done
+                rotation, self._rotation = self._rotation, None
+                self._rotate(rotation)
+                self.model.train()
         holders = self.membership.holders()
         for done in self.sync.outer.drain(self.step):
             self._fragment_done(done, holders)
@@ -305,6 +329,15 @@ class Peer:
                 logger.error(f"checkpoint failed, training goes on: {e}")
                 self.metrics.checkpoint_failed()
         self.membership.announce()
+        self._rotation = self._rotation_due()
+
+    def _finishing(self) -> bool:
+        cfg = self.config
+        return (
+            self.stop_requested.is_set()
+            or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+            or (cfg.max_rounds is not None and self.outer_round >= cfg.max_rounds)
+        )
 
     # --- checkpoints and shutdown ---------------------------------------------------------------
 
@@ -319,6 +352,7 @@ class Peer:
             run_id=self.run_id,
             run=self.config.run_name,
             path=list(self.path),
+            path_steps={str(p): n for p, n in sorted(self.path_steps.items())},
             outer_round=self.outer_round,
             fragment_rounds=self.sync.fragment_rounds(),
             tokens_total=self.tokens_total,
@@ -337,6 +371,9 @@ class Peer:
         self.step = int(meta["step"])
         self.outer_round = int(meta["outer_round"])
         self.tokens_total = int(meta.get("tokens_total", 0))
+        # a checkpoint from before rotation trained only the path it names
+        steps = meta.get("path_steps") or {path_index(self.manifest.model, self.path): self.step}
+        self.path_steps = {int(p): int(n) for p, n in steps.items() if int(n) > 0}
         self.history.restore(meta.get("history", []), float(meta.get("train_seconds", 0.0)))
         self.sync.restore(tensors, meta.get("fragment_rounds"), self.outer_round, self.tokens_total)
         with torch.no_grad():
@@ -346,6 +383,17 @@ class Peer:
             f"resumed from checkpoint at step {self.step}, outer round {self.outer_round}, "
             f"fragment rounds {self.sync.fragment_rounds()}"
         )
+
+    def _hand_over(self, modules: list[str]) -> list[str]:
+        """Hands `modules` (we are their last holder) to the run's keepers; returns those none took."""
+        if not modules:
+            return []
+        try:
+            keepers = self.membership.keepers()
+            return self.sync.hand_over(modules, keepers) if keepers else list(modules)
+        except Exception as e:
+            logger.warning(f"handing our modules over to the keepers failed: {type(e).__name__}: {e}")
+            return list(modules)
 
     def close(self) -> None:
         if self._closed:
@@ -358,12 +406,8 @@ class Peer:
         except Exception as e:
             logger.error(f"final checkpoint failed: {e}")
         if self.membership is not None and self.sync is not None and self.sync.service is not None:
-            try:  # the last holder of a module hands it to the run's keepers before it goes
-                last, keepers = self.membership.modules_only_we_hold(), self.membership.keepers()
-                if last and keepers:
-                    self.sync.hand_over(last, keepers)
-            except Exception as e:
-                logger.warning(f"handing our modules over to the keepers failed: {type(e).__name__}: {e}")
+            # the last holder of a module hands it to the run's keepers before it goes
+            self._hand_over(self.membership.modules_only_we_hold())
         if self.membership is not None:
             self.membership.leave()
         if self.sync is not None:

@@ -1,0 +1,130 @@
+"""The rotation rule on synthetic claims: deterministic, at most one mover, only when it helps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
+from peer.model.grid import ModelConfig
+from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
+from peer.swarm.rotation import claimed_path_steps, plan_rotation, swarm_path_steps
+
+GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
+
+
+def claim(peer: str, path: int, steps: dict[int, int], **extra) -> ClaimRecord:
+    return ClaimRecord(
+        peer_id=peer,
+        path=path,
+        modules=["trunk"],
+        path_steps={str(p): n for p, n in steps.items()},
+        **extra,
+    )
+
+
+def three_peers(**extra) -> dict[str, ClaimRecord]:
+    return {
+        "a": claim("a", 0, {0: 40}),
+        "b": claim("b", 1, {1: 40}),
+        "c": claim("c", 2, {2: 40}, **extra),
+    }
+
+
+def test_one_peer_moves_to_the_uncovered_path_and_every_view_agrees():
+    claims = three_peers()
+    rotation = plan_rotation(GRID, claims, round_index=4, every_rounds=2)
+    assert rotation is not None
+    assert rotation.target == 3 and rotation.mover in claims
+    assert rotation.source == claims[rotation.mover].path
+    assert rotation.steps == {0: 40, 1: 40, 2: 40, 3: 0}
+    # the same view in another order gives the same answer
+    reordered = dict(reversed(list(claims.items())))
+    assert plan_rotation(GRID, reordered, round_index=4, every_rounds=2) == rotation
+
+
+def test_the_mover_changes_with_the_round():
+    movers = {plan_rotation(GRID, three_peers(), r, every_rounds=1).mover for r in range(1, 40)}
+    assert movers == {"a", "b", "c"}
+
+
+def test_the_least_trained_uncovered_path_is_the_target_and_a_most_trained_peer_moves():
+    # d left path 3 after training it; path 1 was trained longest
+    claims = {
+        "a": claim("a", 0, {0: 60}),
+        "b": claim("b", 1, {1: 50, 3: 30}),
+        "c": claim("c", 2, {2: 20, 0: 20}),
+    }
+    steps = swarm_path_steps(GRID, claims)
+    assert steps == {0: 80, 1: 50, 2: 20, 3: 30}
+    rotation = plan_rotation(GRID, claims, round_index=2, every_rounds=2)
+    assert (rotation.mover, rotation.source, rotation.target) == ("a", 0, 3)
+
+
+def test_a_tolerance_makes_near_equal_paths_candidates():
+    claims = {"a": claim("a", 0, {0: 41}), "b": claim("b", 1, {1: 40}), "c": claim("c", 2, {2: 39})}
+    strict = plan_rotation(GRID, claims, round_index=2, every_rounds=2)
+    assert strict.mover == "a"
+    movers = {plan_rotation(GRID, claims, r, every_rounds=1, tolerance=10).mover for r in range(1, 40)}
+    assert movers == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("round_index", [0, 1, 3, 5])
+def test_no_move_between_rotation_rounds(round_index):
+    assert plan_rotation(GRID, three_peers(), round_index, every_rounds=2) is None
+
+
+def test_no_move_when_rotation_is_off():
+    assert all(plan_rotation(GRID, three_peers(), r, every_rounds=0) is None for r in range(10))
+
+
+def test_no_move_when_every_path_is_covered():
+    claims = {**three_peers(), "d": claim("d", 3, {3: 5})}
+    assert plan_rotation(GRID, claims, round_index=2, every_rounds=2) is None
+
+
+def test_no_move_when_peers_cover_all_but_a_doubled_path_is_the_start_rules_business():
+    # four peers, one path doubled: as many peers as paths, so should_move (at start) handles it
+    claims = {**three_peers(), "d": claim("d", 0, {0: 5})}
+    assert plan_rotation(GRID, claims, round_index=2, every_rounds=2) is None
+
+
+def test_client_mode_and_leaving_peers_neither_cover_nor_move():
+    claims = {
+        "a": claim("a", 0, {0: 40}),
+        "b": claim("b", 1, {1: 40}, client_mode=True),
+        "c": claim("c", 2, {2: 40}, leaving=True),
+    }
+    rotation = plan_rotation(GRID, claims, round_index=2, every_rounds=2)
+    assert rotation.mover == "a"
+    # b's steps count (it trained path 1), c's do not (it left); path 2 is untrained now
+    assert rotation.steps == {0: 40, 1: 40, 2: 0, 3: 0}
+    assert rotation.target in (2, 3)
+
+
+def test_no_move_to_a_path_trained_as_much():
+    claims = {"a": claim("a", 0, {0: 10}), "b": claim("b", 1, {1: 10, 2: 20, 3: 20})}
+    assert plan_rotation(GRID, claims, round_index=2, every_rounds=2) is None
+
+
+def test_a_claim_names_at_most_its_most_trained_paths():
+    own = {p: p + 1 for p in range(MAX_PATH_STEPS_ENTRIES + 10)}
+    claimed = claimed_path_steps({**own, 999: 0})
+    assert len(claimed) == MAX_PATH_STEPS_ENTRIES and "999" not in claimed and "0" not in claimed
+    ClaimRecord(peer_id="a", path=0, modules=["trunk"], path_steps=claimed)
+
+
+def test_a_claim_refuses_malformed_path_steps():
+    with pytest.raises(ValueError):
+        ClaimRecord(peer_id="a", path=0, modules=["trunk"], path_steps={"x": 1})
+    with pytest.raises(ValueError):
+        ClaimRecord(peer_id="a", path=0, modules=["trunk"], path_steps={"1": -1})
+
+
+def test_eval_counts_a_rotated_peers_steps_on_every_path_it_trained():
+    manifest = SimpleNamespace(model=GRID)
+    rotated = PeerCheckpoint(Path("a"), {"path": [1, 1], "step": 50, "path_steps": {"0": 30, "3": 20}}, {})
+    older = PeerCheckpoint(Path("b"), {"path": [0, 1], "step": 40}, {})  # before path_steps existed
+    assert path_steps(manifest, [rotated, older]) == {0: 30, 1: 40, 2: 0, 3: 20}
