@@ -16,22 +16,36 @@ every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
 * `streaming_sparse` — as `streaming_4bit` with the same P, τ and α, but the `sparse` codec: the top
   2% of each outer gradient at 4 bits with 1-byte indices, the rest kept as error feedback.
 * `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
-  in fp32 every peers × batch × H samples (`hivemind_peer`).
+  in fp32 every peers × batch × H samples, configured as hivemind's guide says for a small local
+  run (matchmaking 5 s), plus one average after the last step when its epochs (which end a few
+  steps past each H) came to fewer than DiLoCo's syncs (`hivemind_peer`). Averaging parameters is
+  an outer SGD step with lr 1 and no momentum; hivemind has no place for DiLoCo's outer optimizer.
 
-Four peers share this box's two cores, so each peer's training thread runs under a CPU quota
-(`--compute_cores`, a cgroup): its "accelerator". Its networking (DHT, sync service, p2pd) runs
-outside the quota at a higher priority, as the host CPU of a real peer would (`PeerCpu`). CPU
-seconds of both are recorded. Defaults (3.2M-parameter model, batch 4×64 tokens, H = 48, P = 4)
-make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take about 15 minutes.
+The CPU model. Four peers share this box's two cores, so each peer's training thread (its main
+thread) runs under a CPU quota, `--compute_cores` (a cgroup): its "accelerator". Everything else
+of the peer runs outside the quota, `--comm_priority` nice levels above it (`PeerCpu`), as the host
+CPU of a GPU peer would: DHT, p2pd, our sync service (encoding for nf4, decoding, aggregation,
+digests) and hivemind's averager process (matchmaking, all-reduce) and optimizer thread (its AdamW
+step runs in hivemind's executor thread). What the training thread itself does per sync stays
+inside the quota (ours: the outer gradient, the outer step and merge, the state digest, sparse
+encoding). CPU seconds of both sides are recorded. Defaults (3.2M-parameter model, batch 4×64
+tokens, H = 48, P = 4) make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take
+about 13 minutes.
 
 Measured per configuration (means over peers):
 * `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, over the window in which all of a
   configuration's peers were training (start-up skew would otherwise flatter the early starters);
 * `bytes_sent_per_peer_per_round`: egress on the peer's veth (everything: payload, DHT, TCP/IP
   headers) over that window, divided by the rounds (H inner steps) in it;
-* `peak_bytes_per_sync`: the most payload bytes a peer sent for one sync event (peers' checkpoint
-  history `peak_sync_bytes`; hivemind reports none, so its value is the largest burst of bytes on
-  its veth, the wire-level `peak_wire_burst_bytes` that is also given for every configuration);
+* `peak_bytes_per_sync`: the largest burst of bytes on a peer's veth in that window (`report.bursts`:
+  a run of 0.2 s samples above 10% of the cap; a sync with its TCP/IP overhead), one wire unit for
+  every configuration; `peak_payload_bytes_per_sync` beside it is the most outer-gradient bytes a
+  peer sent for one sync event (its history's `peak_sync_bytes`; hivemind reports none);
+* `matchmaking_seconds_per_sync` (mean, max over every peer's syncs): hivemind's, timed around
+  `Matchmaking.look_for_group` per averaging round; ours have none (a round's group is the signed
+  claim view's holders and it starts sending at once): 0 by construction, `measured: false`;
+* `sync_seconds_per_sync`: seconds from a sync's start to its result (ours: `RoundResult.seconds`;
+  hivemind: matchmaking plus all-reduce);
 * `eval_loss`: mean next-token NLL on held-out documents (split "eval") after the same number of
   steps, of peer 0's global copy (the averaged model), or of its local model where there is no
   global one (`no_sync`, hivemind).

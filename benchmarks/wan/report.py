@@ -1,5 +1,6 @@
 """What the WAN lab measured: throughput in the window where every peer trained, bytes on the wire per
-round and per sync, evaluation loss, codec errors, the targets, and the markdown table and plot.
+round and per sync, seconds per sync and in matchmaking, evaluation loss, codec errors, the targets,
+and the markdown table and plot.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def measure(o: Outcome, args: argparse.Namespace) -> dict:
     peak_payload = [max((e.get("peak_sync_bytes") or 0 for e in h), default=0) for h in o.histories]
     has_payload = any(peak_payload)
     steps_done = [f["step"] for f in o.finals]
+    matchmaking, sync_seconds = seconds_per_sync(o.histories)
     return dict(
         tokens_per_second=sum(tps) / n_hosts,
         tokens_per_second_per_peer=tps,
@@ -89,8 +91,12 @@ def measure(o: Outcome, args: argparse.Namespace) -> dict:
         payload_bytes_per_round=sum(payload) / n_hosts / (max(steps_done) / args.inner_steps)
         if has_payload
         else None,
+        # one unit for every configuration: bytes on the veth in the largest burst (hivemind reports
+        # no payload); the payload peak, where the peers report it, is kept beside it
+        peak_bytes_per_sync=max(peaks),
         peak_payload_bytes_per_sync=max(peak_payload) if has_payload else None,
-        peak_wire_burst_bytes=max(peaks),
+        matchmaking_seconds_per_sync=matchmaking,
+        sync_seconds_per_sync=sync_seconds,
         steps=steps_done,
         outcomes_last_round=o.histories[0][-1].get("outcomes"),
         train_loss_last_round=sum(h[-1]["loss"] for h in o.histories) / n_hosts,
@@ -100,8 +106,13 @@ def measure(o: Outcome, args: argparse.Namespace) -> dict:
 
 
 def bursts(series: list[tuple[float, int]], t0: float, t1: float, cap_mbit: float) -> list[int]:
-    """Bytes of each run of samples sending faster than 10% of the cap (a sync on the wire); the
-    DHT's heartbeats stay far below that."""
+    """Bytes of each burst on one host's veth: a maximal run of consecutive sampling intervals (netlab's
+    0.2 s) inside [t0, t1] in which the host sent faster than 10% of its cap. A sync on the wire is
+    one burst (its payload, TCP/IP headers, the ACKs of what it receives meanwhile, any DHT traffic
+    in the same intervals); the DHT's heartbeats stay far below the threshold. It errs both ways by
+    up to an event: two events less than a sample apart merge (a small sparse sync and a claim), a
+    sync that stalls below the threshold for a whole sample splits, and a non-sync spike of more
+    than 10% of a sample's capacity (a state download) is a burst of its own."""
     threshold = 0.1 * cap_mbit * 1e6 / 8
     out, current = [], 0
     for (ta, a), (tb, b) in zip(series, series[1:], strict=False):
@@ -115,6 +126,31 @@ def bursts(series: list[tuple[float, int]], t0: float, t1: float, cap_mbit: floa
     if current:
         out.append(current)
     return out
+
+
+def seconds_per_sync(histories: list[list[dict]]) -> tuple[dict | None, dict | None]:
+    """Matchmaking and whole-sync seconds over every peer's syncs (None where nothing synced).
+
+    hivemind's peers time each averaging round's matchmaking and all-reduce (`matchmaking_seconds`,
+    `sync_seconds` in their entries). Ours record each round's `RoundResult.seconds` (encoding,
+    sending, gathering every member's part, reports, agreement) as `sync_seconds` and have no
+    matchmaking: a round's group is the claim view's holders and it starts sending at once, so its
+    matchmaking is 0 by construction, not measured."""
+    entries = [e for h in histories for e in h]
+    syncs = [s for e in entries for s in e.get("sync_seconds") or []]
+    if not syncs:
+        return None, None
+    spent = dict(mean=sum(syncs) / len(syncs), max=max(syncs), syncs=len(syncs))
+    timed = [e["matchmaking_seconds"] for e in entries if e.get("matchmaking_seconds") is not None]
+    if not timed:
+        return dict(mean=0.0, max=0.0, syncs=len(syncs), measured=False), spent
+    sizes: dict[str, int] = {}
+    for e in entries:
+        if e.get("group_size") is not None:
+            sizes[str(e["group_size"])] = sizes.get(str(e["group_size"]), 0) + 1
+    matchmaking = dict(mean=sum(timed) / len(timed), max=max(timed), syncs=len(timed), measured=True,
+                       group_sizes=sizes)  # fmt: skip
+    return matchmaking, spent
 
 
 def load_weights(model: PathModel, tensors: dict[str, torch.Tensor], which: str) -> None:
@@ -174,7 +210,7 @@ def targets_report(runs: dict[str, dict], fragments: int) -> dict:
         out["streaming_4bit bytes_sent_per_peer_per_round <= 1/7 of diloco_fp32"] = _check(
             s["bytes_sent_per_peer_per_round"] / d["bytes_sent_per_peer_per_round"], 1 / 7, "max"
         )
-        out[f"streaming_4bit peak_bytes_per_sync <= 1/(7*{fragments}) of diloco_fp32"] = _check(
+        out[f"streaming_4bit peak_bytes_per_sync (wire) <= 1/(7*{fragments}) of diloco_fp32"] = _check(
             s["peak_bytes_per_sync"] / d["peak_bytes_per_sync"], 1 / (7 * fragments), "max"
         )
         out["streaming_4bit eval_loss <= 1.01 x diloco_fp32"] = _check(
@@ -200,6 +236,45 @@ def _check(value: float, bound: float, kind: str) -> dict:
     return dict(value=value, bound=bound, met=bool(met))
 
 
+LEGEND = (
+    "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
+    "Peak wire bytes per sync: the largest burst of bytes on a peer's veth (a run of 0.2 s samples "
+    "above 10% of the cap: a sync's payload with its TCP/IP overhead), the same unit for every run; "
+    "peak payload: the most outer-gradient bytes a peer sent for one sync event, from its history "
+    "(hivemind reports none). Matchmaking s per sync: hivemind's `look_for_group`, timed per "
+    "averaging round, mean (max) over all peers' rounds; ours has none (a round's group is the "
+    "signed claim view's holders, and it starts sending at once), 0 by construction. Sync s: mean "
+    "seconds from a sync's start to its result (ours: encoding, all-gather, reports, agreement, "
+    "overlapped with τ steps when streaming; hivemind: matchmaking plus all-reduce, which the next "
+    "local step waits for). Control share: wire bytes beyond the outer gradients an all-gather must "
+    "send (each Δ to every other member), over those. Eval loss: NLL per token on held-out documents "
+    "of peer 0's global copy (no_sync and hivemind: its local model, hivemind's right after its last "
+    "average) after the same number of steps."
+)
+
+
+def _cell_kb(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1e3:,.0f} kB"
+
+
+def _row(name: str, r: dict) -> str:
+    mm, spent = r.get("matchmaking_seconds_per_sync"), r.get("sync_seconds_per_sync")
+    if mm is None:
+        matchmaking = "–"
+    elif mm["measured"]:
+        matchmaking = f"{mm['mean']:.1f} (max {mm['max']:.1f})"
+    else:
+        matchmaking = "0 (none)"
+    control = f"{r['control_share']:.1%}" if "control_share" in r else "–"
+    sync = "–" if spent is None else f"{spent['mean']:.1f}"
+    return (
+        f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
+        f"| {_cell_kb(r['bytes_sent_per_peer_per_round'])} | {_cell_kb(r['peak_bytes_per_sync'])} "
+        f"| {_cell_kb(r['peak_payload_bytes_per_sync'])} | {matchmaking} "
+        f"| {sync} | {control} | {r['eval_loss']:.4f} |"
+    )
+
+
 def write_markdown(path: Path, report: dict) -> str:
     runs = report["runs"]
     lines = [
@@ -210,32 +285,17 @@ def write_markdown(path: Path, report: dict) -> str:
         f"{report['model_parameters'] / 1e6:.2f}M parameters "
         f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
         "",
-        "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak bytes / sync "
-        "| wire burst peak | control share | eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak wire bytes / sync "
+        "| peak payload / sync | matchmaking s / sync | sync s | control share | eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, r in runs.items():
-        peak = f"{r['peak_bytes_per_sync'] / 1e3:,.0f} kB" + ("" if r["peak_is_payload"] else " (wire)")
-        control = f"{r['control_share']:.1%}" if "control_share" in r else "–"
-        lines.append(
-            f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
-            f"| {r['bytes_sent_per_peer_per_round'] / 1e3:,.0f} kB | {peak} "
-            f"| {r['peak_wire_burst_bytes'] / 1e3:,.0f} kB | {control} | {r['eval_loss']:.4f} |"
-        )
+    lines += [_row(name, r) for name, r in runs.items()]
     for name, error in report.get("failed", {}).items():
-        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} | | | | | | |")
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * 8)
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
-    lines += [
-        "",
-        "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
-        "Peak bytes per sync: payload bytes of the largest sync event from the peers' histories "
-        "(hivemind: the largest burst on its veth). Control share: wire bytes beyond the outer "
-        "gradients an all-gather must send (each Δ to every other member), over those. "
-        "Eval loss: NLL per token on held-out documents of "
-        "peer 0's global copy (no_sync and hivemind: its local model) after the same number of steps.",
-    ]
+    lines += ["", LEGEND]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
@@ -258,9 +318,9 @@ def write_plot(path: Path, report: dict, outcomes: dict[str, Outcome]) -> None:
     axes[1].set(xlabel="seconds", ylabel="MB sent by peer 0 (veth)", title="bytes on the wire")
     runs = report["runs"]
     names = list(runs)
-    metrics = [("tokens_per_second_ratio", "tokens/s ratio"),
-               ("bytes_sent_per_peer_per_round", "bytes/round"),
-               ("peak_bytes_per_sync", "peak bytes/sync"), ("eval_loss", "eval loss")]  # fmt: skip
+    metrics = [("tokens_per_second_ratio", "tokens/s\nratio"),
+               ("bytes_sent_per_peer_per_round", "bytes/round\n(wire)"),
+               ("peak_bytes_per_sync", "peak bytes/sync\n(wire)"), ("eval_loss", "eval loss")]  # fmt: skip
     ref = runs.get("diloco_fp32")
     width = 0.8 / max(1, len(names))
     for j, name in enumerate(names):
@@ -274,8 +334,8 @@ def write_plot(path: Path, report: dict, outcomes: dict[str, Outcome]) -> None:
     )
     if ref:
         axes[2].set_yscale("log")
-    axes[2].set(title="relative to diloco_fp32 (log)")
-    for ax in axes:
+    axes[2].set(title="relative to diloco_fp32 (log; colors as on the left)")
+    for ax in axes[:2]:  # the bars share the lines' colors: a third legend would only cover bars
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

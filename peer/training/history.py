@@ -2,8 +2,9 @@
 
 One entry per outer round (fragment 0's sync): the round, steps and tokens so far, the mean training
 loss of the round, the outcome of every module's sync per fragment, the bytes this peer sent over
-the round and for its largest single sync event, the groups, and the training time. Benchmarks
-(the WAN lab) and the demo read these entries from the checkpoints.
+the round and for its largest single sync event, how long each of the round's syncs took from its
+start to its result, the groups, and the training time. Benchmarks (the WAN lab) and the demo read
+these entries from the checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class RoundHistory:
         self.entries: list[dict] = []
         self._losses: list[float] = []
         self._bytes = self._peak_bytes = 0
+        self._sync_seconds: list[float] = []
         self._fragments: dict[str, dict[str, str]] = {}
         self._seconds_before = 0.0  # training time of the runs this one resumed
         self._clock: float | None = None
@@ -44,6 +46,10 @@ class RoundHistory:
         self._bytes += done.bytes_sent
         # the most this peer put on the wire for one sync event (a fragment, or everything)
         self._peak_bytes = max(self._peak_bytes, done.bytes_sent)
+        # a round that ran (not "alone"): the path's modules sync at once, so the slowest is the sync's
+        ran = [r.seconds for r in done.results.values() if r.outcome != "alone"]
+        if ran:
+            self._sync_seconds.append(max(ran))
         self._fragments[str(done.fragment)] = done.summary()
 
     def end_round(self, round_index: int, step: int, tokens_total: int, done: FragmentDone) -> dict:
@@ -56,12 +62,13 @@ class RoundHistory:
             fragments=self._fragments,
             bytes_sent=self._bytes,
             peak_sync_bytes=self._peak_bytes,
+            sync_seconds=self._sync_seconds,
             groups={mid: r.members for mid, r in done.results.items()},
             tokens_total=tokens_total,
             time=time.time(),
             train_seconds=self.train_seconds,
         )
         self.entries.append(entry)
-        self._losses, self._fragments = [], {}
+        self._losses, self._fragments, self._sync_seconds = [], {}, []
         self._bytes = self._peak_bytes = 0
         return entry
