@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -290,7 +291,10 @@ def test_clocks_apart_within_the_dht_limit_still_average_and_beyond_it_are_refus
         for name in skews:
             assert swarm.wait(name, timeout=150) == 0, logs_of(swarm, name)
         refusal = swarm.log_path("far").read_text()
-    assert "clock is +15." in refusal and "synchronise the clock" in refusal, refusal[-2000:]
+    # the measured offset includes the delay of the measurement itself (more on a loaded machine)
+    offset = re.search(r"clock is \+([\d.]+) s off", refusal)
+    assert offset and 13.0 <= float(offset.group(1)) <= 17.0, refusal[-2000:]
+    assert "synchronise the clock" in refusal, refusal[-2000:]
     states = [final_state(tmp_path / n) for n in skews]
     for _, meta in states:
         assert "averaged/3" in outcomes(meta)[-1].values(), outcomes(meta)
