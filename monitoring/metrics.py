@@ -64,7 +64,14 @@ class PeerMetrics:
         )
         self.loss = Gauge("pathswarm_loss", "Training loss of the last inner step.", registry=r)
         self.outer_round = Gauge(
-            "pathswarm_outer_round", "Outer round this peer last took part in.", registry=r
+            "pathswarm_outer_round",
+            "The swarm's outer round (the trunk's sync count) at this peer's last round; the log's `round N`.",
+            registry=r,
+        )
+        self.own_rounds = Gauge(
+            "pathswarm_own_rounds",
+            "Outer rounds this peer completed, across resumes (what --max_rounds limits).",
+            registry=r,
         )
         self.group_size = Gauge(
             "pathswarm_group_size", "Peers in the last outer round's group (1 when alone).", registry=r
@@ -143,7 +150,8 @@ class PeerMetrics:
         *,
         outer_round: int | None = None,
     ) -> None:
-        """Record one outer round; ``outer_round`` is the swarm's round number (default: count locally)."""
+        """Record one module's sync; ``outer_round``, if given, is the swarm's round number (otherwise
+        `set_rounds` sets it once per round: one round syncs every module of the path)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outer-round outcome {outcome!r}; expected one of {OUTCOMES}")
         if bytes_sent < 0 or bytes_received < 0:
@@ -153,10 +161,13 @@ class PeerMetrics:
             self.allreduce_seconds.observe(seconds)
         self.group_size.set(group_size)
         self.add_bytes(bytes_sent, bytes_received)
-        if outer_round is None:
-            self.outer_round.inc()
-        else:
+        if outer_round is not None:
             self.outer_round.set(outer_round)
+
+    def set_rounds(self, swarm_round: int, own_rounds: int) -> None:
+        """At a round's end: the swarm's round number and how many rounds this peer completed."""
+        self.outer_round.set(swarm_round)
+        self.own_rounds.set(own_rounds)
 
     def add_bytes(self, sent: int, received: int) -> None:
         """Count traffic outside outer rounds (e.g. DHT, fetching modules from holders)."""

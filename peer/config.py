@@ -207,6 +207,8 @@ class PeerConfig(BaseModel):
     checkpoint_every_rounds: int = Field(1, ge=1)
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
     resume: bool = False
+    #: stop after this many outer rounds of this peer's own (fragment-0 syncs it took part in or ran
+    #: alone), counted across --resume; not the swarm's round number, which a late joiner starts past 0
     max_rounds: int | None = Field(None, ge=1)
     max_steps: int | None = Field(None, ge=1)
     heartbeat_seconds: float = Field(5.0, gt=0)

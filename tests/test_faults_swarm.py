@@ -15,11 +15,12 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dht.identity import peer_id_of_key
 from dht.node import start_dht
 from dht.schema import ClaimRecord
-from peer.checkpoint import SPACE_MARGIN_BYTES
+from peer.checkpoint import SPACE_MARGIN_BYTES, list_checkpoints
 from peer.cli.local_swarm import LocalSwarm
 from peer.swarm.claims import live_claims, publish_claim
 from peer.swarm.keeper import kept_modules
@@ -130,13 +131,17 @@ def test_a_stalled_member_is_left_out_then_catches_up_when_it_resumes(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_the_last_holder_leaving_loses_nothing_with_a_keeper(tmp_path):
+    """Every peer of the run leaves (SIGTERM, a clean exit); a new peer goes on from the kept state,
+    not from initial weights."""
     path, run_id = write_manifest(tmp_path, grid=(1, 1))
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(path), "--keep_state", str(tmp_path / "kept"),
                                      "--keep_every_seconds", "1"])  # fmt: skip
-        swarm.start_peer("first", peer_args(run_id, tmp_path / "first", "--max_rounds", "4"))
-        assert swarm.wait("first", timeout=120) == 0, logs_of(swarm, "first")
-        _, first = final_state(tmp_path / "first")
+        swarm.start_peer("first", peer_args(run_id, tmp_path / "first", "--max_rounds", "1000"))
+        wait_for(lambda: final_state_round(tmp_path / "first") >= 4, 90, "four rounds", swarm)
+        swarm.kill("first", signal.SIGTERM)
+        assert swarm.wait("first", timeout=60) == 0, logs_of(swarm, "first")
+        final_tensors, first = final_state(tmp_path / "first")
         watcher, _ = start_dht(
             initial_peers=swarm.initial_peers, client_mode=True, run_name=RUN, run_id=run_id
         )
@@ -145,15 +150,28 @@ def test_the_last_holder_leaving_loses_nothing_with_a_keeper(tmp_path):
             wait_for(lambda: kept() >= first["outer_round"], 60, "the keeper to keep the last round", swarm)
         finally:
             watcher.shutdown()
-        swarm.start_peer("second", peer_args(run_id, tmp_path / "second", "--max_steps", "20"))
+        second_args = peer_args(run_id, tmp_path / "second", "--max_steps", "20", "--keep_checkpoints", "100")
+        swarm.start_peer("second", second_args)
         assert swarm.wait("second", timeout=120) == 0, logs_of(swarm, "second", "bootstrap")
         log = swarm.log_path("second").read_text()
     assert "from its keepers" in log, log[-3000:]
     assert "starts again from its initial weights" not in log
+    # what it downloaded (checkpointed before its first step) is the leaver's final state, bit for bit
+    joined = min((i for i in list_checkpoints(tmp_path / "second") if i.complete), key=lambda i: i.step)
+    assert joined.manifest["meta"]["step"] == 0
+    assert joined.manifest["meta"]["fragment_rounds"] == first["fragment_rounds"]
+    assert_same_bits(final_tensors, load_file(str(joined.path / "tensors.safetensors")))
     _, second = final_state(tmp_path / "second")
-    # it went on from the first peer's last round, not from round 0
+    # it went on from the first peer's last round, not from round 0 ...
     assert second["outer_round"] >= first["outer_round"] + 1
-    assert second["history"][0]["loss"] < first["history"][0]["loss"]
+    # ... and its first round's loss is near the leaver's last, far from the run's start (~5)
+    start, last = first["history"][0]["loss"], first["history"][-1]["loss"]
+    loss = second["history"][0]["loss"]
+    assert abs(loss - last) < abs(loss - start), (start, last, loss)
+
+
+def final_state_round(ckpt) -> int:
+    return final_state(ckpt)[1]["outer_round"] if list_checkpoints(ckpt) else 0
 
 
 @pytest.mark.timeout(240)

@@ -68,6 +68,19 @@ def test_serve_and_scrape(metrics):
     assert build["version"] == "0.1.0" and build["torch"] and build["python"]
 
 
+def test_round_gauges_count_rounds_not_module_syncs(metrics):
+    # one round syncs every module of the path: the round gauge must not count the syncs (3 modules
+    # over 5 rounds once read 15 while the log said round 5)
+    for round_index in range(1, 6):
+        for _ in range(3):
+            metrics.observe_round("averaged", seconds=0.1, group_size=2, bytes_sent=1, bytes_received=1)
+        metrics.set_rounds(swarm_round=round_index + 10, own_rounds=round_index)
+    s = samples(metrics.render().decode())
+    assert s[("pathswarm_outer_round", ())] == 15  # the swarm's round, as in the log's `round N`
+    assert s[("pathswarm_own_rounds", ())] == 5
+    assert s[("pathswarm_outer_rounds_total", (("outcome", "averaged"),))] == 15
+
+
 def test_render_has_help(metrics):
     text = metrics.render().decode()
     assert "# HELP pathswarm_tokens_total" in text

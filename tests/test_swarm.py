@@ -71,23 +71,34 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
                 return max((c.outer_round for c in claims.values()), default=0) >= 2
 
             wait_for(a_round, 90, "peer a to finish two rounds", swarm)
-            swarm.start_peer(
-                "b",
-                peer_args(
-                    run_id, tmp_path / "b", "--path", "0", "--max_steps", "30", "--keep_checkpoints", "100"
-                ),
-            )
+            # --max_rounds counts b's own rounds, not the swarm's (already past 2 when b joins)
+            b_args = peer_args(run_id, tmp_path / "b", "--path", "0", "--keep_checkpoints", "100")
+            swarm.start_peer("b", [*b_args, "--max_rounds", "2"])
             assert swarm.wait("b", timeout=120) == 0, swarm.log_path("b").read_text()[-3000:]
+            _, meta_joined = load_latest_checkpoint(tmp_path / "b")
+            # resumed with --max_rounds 4, it goes on to 4 rounds of its own in all
+            swarm.start_peer("b2", [*b_args, "--max_rounds", "4", "--resume"])
+            assert swarm.wait("b2", timeout=120) == 0, swarm.log_path("b2").read_text()[-3000:]
             swarm.kill("a", signal.SIGTERM)
             assert swarm.wait("a", timeout=60) == 0
         finally:
             watcher.shutdown()
         log_b = swarm.log_path("b").read_text()
+        log_resumed = swarm.log_path("b2").read_text()
 
     downloaded = re.findall(r"(\w+): caught up to module round", log_b)
     assert sorted(downloaded) == ["l0m0", "l1m0", "trunk"], log_b[-3000:]
     rounds = rounds_in_log(log_b)
     assert rounds and "averaged/2" in rounds[-1], rounds
+    # a normal join is quiet: nothing at WARNING or above (a first round's repair is said at INFO)
+    loud = [line for line in log_b.splitlines() if re.search(r" (WARN|WARNING|ERROR|CRITICAL) ", line)]
+    assert not loud, "\n".join(loud)
+    assert len(meta_joined["history"]) == 2 and meta_joined["own_rounds"] == 2, meta_joined["history"]
+    assert meta_joined["history"][0]["round"] > 2  # the swarm's round, in the history and the log
+    assert "(own round 2)" in log_b
+    assert "(own rounds 2)" in log_resumed, log_resumed[-3000:]
+    _, meta_resumed = load_latest_checkpoint(tmp_path / "b")
+    assert meta_resumed["own_rounds"] == 4 and len(meta_resumed["history"]) == 4, meta_resumed["history"]
 
     # What b downloaded, checkpointed before its first step (later rounds' averaging and repair would
     # make the copies agree even after a wrong download): every module's global copy and momentum are

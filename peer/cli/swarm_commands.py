@@ -46,7 +46,13 @@ def register(subparsers) -> dict[str, Handler]:
     )
     p.add_argument("--keep_checkpoints", type=int, default=s, help="complete checkpoints kept (default 2)")
     p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
-    p.add_argument("--max_rounds", type=int, default=s, help="stop after this many outer rounds")
+    p.add_argument(
+        "--max_rounds",
+        type=int,
+        default=s,
+        help="stop after this peer has done this many outer rounds of its own, counted across --resume "
+        "(a late joiner does them all; the swarm's round number, in the log's `round N`, may be higher)",
+    )
     p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
     p.add_argument(
         "--rotate_every_rounds",

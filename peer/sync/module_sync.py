@@ -72,6 +72,9 @@ class ModuleSync:
         self.fragment_rounds = [0] * n_fragments
         #: bumped whenever the state is replaced (a download): rounds started before no longer apply
         self.epoch = 0
+        #: rounds left in which this copy, just downloaded to join (or rejoin) its holders, may still
+        #: disagree with the group's: a joiner's first round races the holders' views of the group
+        self.settling = 0
         self._digests: list[str | None] = [None] * n_fragments
         #: sparse codecs: per fragment, what this peer's outer gradients did not send yet (local only)
         self.errors: list[torch.Tensor | None] = [None] * n_fragments

@@ -40,6 +40,21 @@ logger = logging.getLogger(__name__)
 #: module id -> (peer id, module round) of the other ready holders a joiner may download it from
 Donors = dict[str, list[tuple[str, int]]]
 
+#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
+#: the holders see the joiner's claim at different moments, so its first round's group can differ
+#: between members (one averages with it, another without), and the next round's digests repair it
+SETTLING_ROUNDS = 3
+
+
+def settle(ms: ModuleSync, result: RoundResult) -> int:
+    """The log level of a round's dropped members and repair: INFO while the module is settling after
+    a join (the group's views of its members still differ), WARNING for a copy that was in step and
+    then drifted. A clean average ends the settling; each other round shortens it."""
+    level = logging.INFO if ms.settling > 0 else logging.WARNING
+    odd = result.dropped or result.repair_from or result.merge_with
+    ms.settling = 0 if result.outcome == "averaged" and not odd else max(0, ms.settling - 1)
+    return level
+
 
 def _trains(ms: ModuleSync, part: torch.nn.Module) -> bool:
     """Whether `ms` keeps the global copy of exactly these parameters (the path model reused them)."""
@@ -158,8 +173,12 @@ class PathSync:
             result.bad_parts = {
                 r: n for r, n in refused.items() if r in ("shape", "dtype", "nonfinite", "norm")
             }
+        level, mid = settle(ms, result), ms.module_id
+        if result.dropped:
+            logger.log(level, f"{mid} fragment {fragment}: left out of the average: {result.dropped}")
         if result.repair_from:
-            logger.warning(f"{ms.module_id}: our copy differs from the one the group keeps; repairing it")
+            why = "just after joining, as expected" if level == logging.INFO else "it drifted"
+            logger.log(level, f"{mid}: our copy differs from the one the group keeps ({why}); repairing it")
             self.fetch_state(ms, result.repair_from)
 
     def _started(self, ms: ModuleSync, fragment: int, digest: str) -> None:
@@ -189,6 +208,8 @@ class PathSync:
 
     def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
         fetched = self.fetch_state(ms, ahead)
+        if fetched:  # in step again, with the group's views of its members still to settle
+            ms.settling = SETTLING_ROUNDS
         if fetched and ms.module_id == TRUNK:
             self.outer.align(ms.fragment_rounds)
         return fetched
@@ -219,6 +240,7 @@ class PathSync:
                     sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0]))
                 )
                 if self.fetch_state(ms, [p for p, _ in ordered]):
+                    ms.settling = SETTLING_ROUNDS
                     logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
                     downloaded += 1
                     break
@@ -278,7 +300,9 @@ class PathSync:
             return False
         donor, rounds, tensors, was_confirmed = got
         if not was_confirmed:
-            logger.warning(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
+            # a swarm of two (a joiner and one holder) has nobody else to ask: not a fault, and nothing
+            # the volunteer could act on; a state other holders contradict is refused (and warned of)
+            logger.info(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
         try:
             ms.load_state(dict(module=ms.module_id, fragment_rounds=rounds), tensors)
         except StateRejected as e:

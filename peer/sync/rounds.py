@@ -290,8 +290,8 @@ class RoundRunner:
             outcome = "alone"
         else:
             outcome = "averaged"
-        if dropped:
-            logger.warning(f"{key}: left out of the average: {dropped}")
+        if dropped:  # said by the caller (PathSync), which knows whether we are still joining
+            logger.debug(f"{key}: left out of the average: {dropped}")
         late = "our outer gradient did not reach every member in time"
         return RoundResult(
             outcome, aggregated, len(agreed), members=agreed, dropped=dropped, repair_from=repair,

@@ -4,7 +4,8 @@ One entry per outer round (fragment 0's sync): the round, steps and tokens so fa
 loss of the round, the outcome of every module's sync per fragment, the bytes this peer sent over
 the round and for its largest single sync event, how long each of the round's syncs took from its
 start to its result, the groups, and the training time. Benchmarks (the WAN lab) and the demo read
-these entries from the checkpoints.
+these entries from the checkpoints. `own_rounds` counts the rounds this peer completed (across
+resumes, unlike the swarm's round number in each entry): what --max_rounds limits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class RoundHistory:
 
     def __init__(self) -> None:
         self.entries: list[dict] = []
+        #: outer rounds this peer completed, across resumes (entries are cut to the last 200 in a checkpoint)
+        self.own_rounds = 0
         self._losses: list[float] = []
         self._bytes = self._peak_bytes = 0
         self._sync_seconds: list[float] = []
@@ -35,9 +38,12 @@ class RoundHistory:
         running = time.monotonic() - self._clock if self._clock is not None else 0.0
         return self._seconds_before + running
 
-    def restore(self, entries: list[dict], train_seconds: float) -> None:
+    def restore(self, entries: list[dict], train_seconds: float, own_rounds: int | None = None) -> None:
         self.entries = list(entries)
         self._seconds_before = train_seconds
+        # A checkpoint from before the count was kept: its history holds one entry per round this peer
+        # completed (exact below 200 rounds, a lower bound past them).
+        self.own_rounds = len(self.entries) if own_rounds is None else own_rounds
 
     def add_loss(self, loss: float) -> None:
         self._losses.append(loss)
@@ -69,6 +75,7 @@ class RoundHistory:
             train_seconds=self.train_seconds,
         )
         self.entries.append(entry)
+        self.own_rounds += 1
         self._losses, self._fragments, self._sync_seconds = [], {}, []
         self._bytes = self._peak_bytes = 0
         return entry

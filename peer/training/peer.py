@@ -317,7 +317,11 @@ class Peer(PathRotation):
         # were starting is set back in step when it repairs its copy.
         self.outer_round = self.sync.outer_round
         entry = self.history.end_round(self.outer_round, self.step, self.tokens_total, done)
-        logger.info(f"round {self.outer_round} step {self.step} loss {entry['loss']:.4f} {entry['outcomes']}")
+        # the log and the metrics show the swarm's round (the DHT claims carry it too) and our own count
+        own = self.history.own_rounds
+        self.metrics.set_rounds(self.outer_round, own)
+        loss, outcomes = entry["loss"], entry["outcomes"]
+        logger.info(f"round {self.outer_round} step {self.step} loss {loss:.4f} {outcomes} (own round {own})")
         if (
             self.config.checkpoint_dir is not None
             and self.outer_round % self.config.checkpoint_every_rounds == 0
@@ -336,7 +340,8 @@ class Peer(PathRotation):
         return (
             self.stop_requested.is_set()
             or (cfg.max_steps is not None and self.step >= cfg.max_steps)
-            or (cfg.max_rounds is not None and self.outer_round >= cfg.max_rounds)
+            # this peer's own rounds, not the swarm's clock: a late joiner does as many as the others
+            or (cfg.max_rounds is not None and self.history.own_rounds >= cfg.max_rounds)
         )
 
     # --- checkpoints and shutdown ---------------------------------------------------------------
@@ -359,6 +364,7 @@ class Peer(PathRotation):
             peer_id=self.peer_id,
             loss=self.last_loss if math.isfinite(self.last_loss) else None,
             history=self.history.entries[-200:],
+            own_rounds=self.history.own_rounds,
             train_seconds=self.history.train_seconds,
         )
         path = save_checkpoint(
@@ -374,14 +380,17 @@ class Peer(PathRotation):
         # a checkpoint from before rotation trained only the path it names
         steps = meta.get("path_steps") or {path_index(self.manifest.model, self.path): self.step}
         self.path_steps = {int(p): int(n) for p, n in steps.items() if int(n) > 0}
-        self.history.restore(meta.get("history", []), float(meta.get("train_seconds", 0.0)))
+        own = meta.get("own_rounds")
+        self.history.restore(
+            meta.get("history", []), float(meta.get("train_seconds", 0.0)), None if own is None else int(own)
+        )
         self.sync.restore(tensors, meta.get("fragment_rounds"), self.outer_round, self.tokens_total)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors[f"local/{name}"].to(p.dtype))
         logger.info(
-            f"resumed from checkpoint at step {self.step}, outer round {self.outer_round}, "
-            f"fragment rounds {self.sync.fragment_rounds()}"
+            f"resumed from checkpoint at step {self.step}, outer round {self.outer_round} "
+            f"(own rounds {self.history.own_rounds}), fragment rounds {self.sync.fragment_rounds()}"
         )
 
     def _hand_over(self, modules: list[str]) -> list[str]:
