@@ -65,7 +65,7 @@ class PeerMetrics:
         self.loss = Gauge("pathswarm_loss", "Training loss of the last inner step.", registry=r)
         self.outer_round = Gauge(
             "pathswarm_outer_round",
-            "The swarm's outer round (the trunk's sync count) at this peer's last round; the log's `round N`.",
+            "The swarm's outer round (the trunk's sync count) at this peer's last round (the log's round N).",
             registry=r,
         )
         self.own_rounds = Gauge(

@@ -117,7 +117,9 @@ def test_a_stalled_member_is_left_out_then_catches_up_when_it_resumes(tmp_path):
     assert max(round_gaps(m0)) < TIMEOUT + REPORT + 4.0, round_gaps(m0)
     # once resumed it found itself behind, fetched the others' state, and rejoined them
     assert "fetched their state" in log or "excluded" in log, log[-3000:]
-    assert any("averaged/3" in o.values() for o in outcomes(m2)[-3:]), outcomes(m2)[-3:]
+    # (--max_rounds counts its own rounds: having skipped the stalled ones, it may end with a few
+    # rounds alone after the others stopped, so look at every round after the two before the stall)
+    assert any("averaged/3" in o.values() for o in outcomes(m2)[2:]), outcomes(m2)
     # and holds the others' bits: each module compared at the last sync count both reached (after a
     # repair a module's count may run one ahead of the trunk's, so the resumed peer can end with one
     # sync of it alone after the others stopped)
