@@ -57,9 +57,16 @@ def test_three_peers_rotate_until_every_path_is_trained(tmp_path):
     assert any(rotations.values()), logs_of_text(logs)
     out = tmp_path / "eval.json"
     argv = ["eval", "--manifest_path", str(path), "--checkpoints", *(str(tmp_path / n) for n in names)]
-    assert pathswarm([*argv, "--baseline_steps", "0", "--json", str(out)]) == 0
-    evaluated = json.loads(out.read_text())["composite"]["per_path"]
+    # against a dense model of one path's size trained for as many steps as each peer took
+    assert pathswarm([*argv, "--baseline_steps", str(ROUNDS * 10), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    evaluated = report["composite"]["per_path"]
     assert {int(p): e["steps"] for p, e in evaluated.items()} == per_path
+    assert all(0 < e["share"] < 1 for e in evaluated.values()), evaluated
+    assert report["composite"]["ppl"] < report["dense"]["ppl"], (
+        report["composite"]["ppl"],
+        report["dense"]["ppl"],
+    )
 
     # holders stay in step after a move: the last round averaged the trunk with every peer, and
     # each module's holders hold the same bits at the last sync count they both reached
