@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 
 from peer.cli.local_swarm import LocalSwarm
 from peer.data.corpus import write_corpus
+from peer.run.record import load_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +45,27 @@ def readme_block(heading: str) -> list[str]:
     return commands
 
 
+def _start(command: str, cwd: Path, name: str, env: dict) -> subprocess.Popen:
+    """A README command in the background, its output in cwd/name.log, in its own process group."""
+    with open(cwd / f"{name}.log", "w") as log:
+        return subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def _log(cwd: Path, name: str) -> str:
+    return (cwd / f"{name}.log").read_text()
+
+
+def _initial_peer(swarm: LocalSwarm, cwd: Path) -> str:
+    """The first address of the --initial_peers line the bootstrap prints."""
+    deadline, found = time.monotonic() + 90, []
+    while not found:
+        assert swarm.alive("bootstrap") and time.monotonic() < deadline, _log(cwd, "bootstrap")
+        found = re.findall(r"^--initial_peers (\S+)", _log(cwd, "bootstrap"), re.M)
+        time.sleep(0.3)
+    return found[0]
+
+
 @pytest.mark.timeout(420)
 def test_the_researchers_steps_run_as_written(tmp_path):
     """Every command of "For researchers" in order, as written: the bootstrap's port and the address
@@ -62,22 +85,15 @@ def test_the_researchers_steps_run_as_written(tmp_path):
         return proc.stdout
 
     def start(command: str, name: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "w") as log:
-            return subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=tmp_path, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return _start(command, tmp_path, name, env)
 
     def log_of(name: str) -> str:
-        return (tmp_path / f"{name}.log").read_text()
+        return _log(tmp_path, name)
 
     run(commands[0])
     with LocalSwarm(tmp_path / "logs") as swarm:  # stops whatever is left, whatever happens
         swarm.procs["bootstrap"] = start(commands[1].replace("/tcp/31337", "/tcp/0"), "bootstrap")
-        deadline, found = time.monotonic() + 90, []
-        while not found:
-            assert swarm.alive("bootstrap") and time.monotonic() < deadline, log_of("bootstrap")
-            found = re.findall(r"^--initial_peers (\S+)", log_of("bootstrap"), re.M)
-            time.sleep(0.3)
-        peer = commands[2].replace("/ip4/127.0.0.1/tcp/31337/p2p/…", found[0])
+        peer = commands[2].replace("/ip4/127.0.0.1/tcp/31337/p2p/…", _initial_peer(swarm, tmp_path))
         assert peer != commands[2] and "ckpt/peer0" in peer, commands[2]
         for i in range(4):
             swarm.procs[f"peer{i}"] = start(peer.replace("ckpt/peer0", f"ckpt/peer{i}"), f"peer{i}")
@@ -93,3 +109,37 @@ def test_the_researchers_steps_run_as_written(tmp_path):
     assert (tmp_path / "path0" / "config.json").exists()
     assert (tmp_path / "path0-hf" / "model.safetensors").exists()
     assert (tmp_path / "path0-hf" / "tokenizer.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_real_swarm_steps_run_as_written(tmp_path):
+    """ "Running a real swarm" as written: a bootstrap with its identity, `run create` publishing to it
+    (and reading it back), a volunteer joining by name and hash prefix until its first round, then
+    SIGTERM. Substituted: the ports (31337 and 9100 may be taken here: 0), the address and the hash
+    placeholders."""
+    write_corpus(tmp_path / "corpus", 600, seed=4, fmt="txt", docs_per_file=300)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = readme_block("## Running a real swarm")
+    assert [c.split()[1] for c in commands] == ["bootstrap", "run", "peer"], commands
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.procs["bootstrap"] = _start(
+            commands[0].replace("/tcp/31337", "/tcp/0"), tmp_path, "bootstrap", env
+        )
+        address = _initial_peer(swarm, tmp_path)
+        create = commands[1].replace("/ip4/…/p2p/…", address)
+        proc = subprocess.run(["bash", "-c", create], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        run_id = load_record(tmp_path / "myrun.json").run_id
+        peer = commands[2].replace("/ip4/…/p2p/…", address).replace("<hash prefix>", run_id[:16])
+        swarm.procs["peer"] = _start(
+            peer.replace("--metrics_port 9100", "--metrics_port 0"), tmp_path, "peer", env
+        )
+        deadline = time.monotonic() + 180
+        while not re.search(r"round 1 step \d+ loss", _log(tmp_path, "peer")):
+            assert swarm.alive("peer") and time.monotonic() < deadline, _log(tmp_path, "peer")[-3000:]
+            time.sleep(0.5)
+        swarm.kill("peer", signal.SIGTERM)
+        assert swarm.wait("peer", timeout=60) == 0, _log(tmp_path, "peer")[-3000:]
+    assert f"joined run myrun@{run_id[:16]}" in _log(tmp_path, "peer")
+    assert (tmp_path / "peer.id").exists() and (tmp_path / "bootstrap.id").exists()
