@@ -280,7 +280,16 @@ class Membership:
     def rotation(self, round_index: int) -> Rotation | None:
         """The swarm's rotation at the end of `round_index`, from a fresh claim view with our own
         claim as it is now. Views a heartbeat apart differ by about a round's steps per path: that
-        much is tolerated in the choice of candidates, so that peers agree on who moves."""
+        much is tolerated in the choice of candidates, so that peers agree on who moves. This runs in
+        the training loop, where a DHT read can wait out RPC timeouts (a partition: a peer stalled so
+        fell out of step with its group): the read happens only when the last heartbeat's view says
+        a rotation is possible at all (a rotation round, and a path nobody holds)."""
+        every, cfg = self.config.rotate_every_rounds, self.manifest.model
+        if not every or round_index % every or cfg.n_paths < 2:
+            return None
+        covered = {c.path for c in self.claims.values() if not c.client_mode} | {path_index(cfg, self.path)}
+        if len(covered) >= cfg.n_paths:
+            return None
         claims = dict(self.read_claims())
         claims[self.peer_id] = self.claim_record()
         return plan_rotation(
