@@ -111,7 +111,6 @@ def test_a_stalled_member_is_left_out_then_catches_up_when_it_resumes(tmp_path):
             assert swarm.wait(name, timeout=150) == 0, logs_of(swarm, name)
         log = swarm.log_path("stalled").read_text()
     (t0, m0), (t1, m1), (t2, m2) = (final_state(tmp_path / n) for n in names)
-    assert_same_bits(t0, t1)
     # while it was stopped the others averaged as two, each round within a timeout
     assert any("averaged/2" in o.values() for o in outcomes(m0))
     assert max(round_gaps(m0)) < TIMEOUT + REPORT + 4.0, round_gaps(m0)
@@ -120,15 +119,17 @@ def test_a_stalled_member_is_left_out_then_catches_up_when_it_resumes(tmp_path):
     # (--max_rounds counts its own rounds: having skipped the stalled ones, it may end with a few
     # rounds alone after the others stopped, so look at every round after the two before the stall)
     assert any("averaged/3" in o.values() for o in outcomes(m2)[2:]), outcomes(m2)
-    # and holds the others' bits: each module compared at the last sync count both reached (after a
-    # repair a module's count may run one ahead of the trunk's, so the resumed peer can end with one
-    # sync of it alone after the others stopped)
-    for module in ("trunk", "l0m0"):
-        mine = checkpoints_by_count(tmp_path / "stalled", module)
-        theirs = checkpoints_by_count(tmp_path / "p0", module)
-        last = min(max(mine), max(theirs))
-        assert last >= m0["outer_round"] - 1, (sorted(mine), sorted(theirs))
-        assert_same_bits(module_state(mine[last], module), module_state(theirs[last], module))
+    # and everyone holds the same bits: each pair compared per module at the last sync count both
+    # reached. Not the final checkpoints: --max_rounds counts a peer's own rounds, and a peer whose
+    # copy was set back by a repair (or that skipped rounds by fetching state) stops at another swarm
+    # round than the others; and after a repair a module's count may run one ahead of the trunk's.
+    for a, b in (("p0", "p1"), ("stalled", "p0")):
+        for module in ("trunk", "l0m0"):
+            mine = checkpoints_by_count(tmp_path / a, module)
+            theirs = checkpoints_by_count(tmp_path / b, module)
+            last = max(set(mine) & set(theirs))
+            assert last >= min(m0["outer_round"], m1["outer_round"]) - 1, (a, b, sorted(mine), sorted(theirs))
+            assert_same_bits(module_state(mine[last], module), module_state(theirs[last], module))
 
 
 @pytest.mark.timeout(240)
