@@ -102,7 +102,18 @@ def checkpoints_by_count(ckpt, module: str) -> dict:
     return out
 
 
+def module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
+    """One module's shared tensors (global copy and outer momentum) of a checkpoint's tensors."""
+    return {k: v for k, v in shared_state(tensors).items() if k.startswith(f"{module}/")}
+
+
 def module_state(path, module: str) -> dict:
     """One module's shared tensors in a checkpoint folder."""
-    tensors = load_file(str(path / "tensors.safetensors"))
-    return {k: v for k, v in shared_state(tensors).items() if k.startswith(f"{module}/")}
+    return module_tensors(load_file(str(path / "tensors.safetensors")), module)
+
+
+def downloaded_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """What a joiner downloaded: the checkpoint it writes once caught up, before its first step."""
+    first = min((i for i in list_checkpoints(ckpt) if i.complete), key=lambda i: i.step)
+    assert first.manifest["meta"]["step"] == 0, first.manifest["meta"]["step"]
+    return load_file(str(first.path / "tensors.safetensors")), first.manifest["meta"]

@@ -25,7 +25,9 @@ from peer.sync.module_sync import ModuleSync
 from tests.swarm_harness import (
     RUN,
     checkpoints_by_count,
+    downloaded_state,
     module_state,
+    module_tensors,
     peer_args,
     shared_state,
     states_by_round,
@@ -103,15 +105,12 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
     # What b downloaded, checkpointed before its first step (later rounds' averaging and repair would
     # make the copies agree even after a wrong download): every module's global copy and momentum are
     # a's at the same module round, bit for bit, and b's local weights start from that global copy.
-    first_b = min((i for i in list_checkpoints(tmp_path / "b") if i.complete), key=lambda i: i.step)
-    assert first_b.manifest["meta"]["step"] == 0
-    joined = load_file(str(first_b.path / "tensors.safetensors"))
-    rounds_b = first_b.manifest["meta"]["fragment_rounds"]
+    joined, meta_download = downloaded_state(tmp_path / "b")
     for module in ("trunk", "l0m0", "l1m0"):
+        count = meta_download["fragment_rounds"][module][0]
         by_count = checkpoints_by_count(tmp_path / "a", module)
-        assert rounds_b[module][0] in by_count, (module, rounds_b, sorted(by_count))
-        donor = module_state(by_count[rounds_b[module][0]], module)
-        ours = {k: v for k, v in shared_state(joined).items() if k.startswith(f"{module}/")}
+        assert count in by_count, (module, count, sorted(by_count))
+        donor, ours = module_state(by_count[count], module), module_tensors(joined, module)
         assert donor.keys() == ours.keys() and any("/momentum/" in k for k in ours)
         assert all(torch.equal(donor[k], ours[k]) for k in donor), module
         for name, value in ours.items():

@@ -26,7 +26,7 @@ from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
-from peer.sync.inbox import Inbox
+from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
@@ -170,9 +170,7 @@ class PathSync:
         if self.service is not None:
             refused = self.service.refused - self._refused_seen
             self._refused_seen = Counter(self.service.refused)
-            result.bad_parts = {
-                r: n for r, n in refused.items() if r in ("shape", "dtype", "nonfinite", "norm")
-            }
+            result.bad_parts = {r: n for r, n in refused.items() if r in HOSTILE_REASONS}
         level, mid = settle(ms, result), ms.module_id
         if result.dropped:
             logger.log(level, f"{mid} fragment {fragment}: left out of the average: {result.dropped}")

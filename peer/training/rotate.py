@@ -21,8 +21,7 @@ class PathRotation:
     def _rotation_due(self) -> Rotation | None:
         """Our move, if the swarm's rotation at the end of this round moves us (see
         peer/swarm/rotation.py; every peer computes it, only the mover acts)."""
-        every = self.config.rotate_every_rounds
-        if not every or self.outer_round % every or self._finishing():
+        if self._finishing():
             return None
         try:
             rotation = self.membership.rotation(self.outer_round)
