@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -25,6 +26,28 @@ from peer.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _static_relays_only(make_process_args):
+    """p2pd flags with `-relayDiscovery=0` whenever trusted relays are named.
+
+    With discovery on (p2pd's default, and hivemind 1.1.12 cannot turn it off: its
+    `use_relay_discovery` is ignored), go-libp2p's autorelay waits for 4 relay candidates or for
+    its 3-minute boot delay before it reserves a slot anywhere; a volunteer who names its relays
+    (the initial peers) would sit unreachable for those minutes. Static relays reserve at once.
+    """
+
+    def make(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return make_process_args(*args, **kwargs)
+
+    make.pathswarm_static_relays = True
+    return make
+
+
+if not getattr(P2P._make_process_args, "pathswarm_static_relays", False):
+    P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
 
 
 def check_maddrs(maddrs: Sequence[str], flag: str) -> list[str]:
@@ -51,8 +74,17 @@ def start_dht(
     startup_timeout_seconds: float = 30.0,
     use_relay: bool = True,
     use_auto_relay: bool = False,
+    public: bool = False,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
-    """Starts a DHT node that validates pathswarm's records for `run_name` (if given)."""
+    """Starts a DHT node that validates pathswarm's records for `run_name` (if given).
+
+    `public` declares the node publicly reachable (a bootstrap node is, by definition: everyone
+    dials it) so that it relays for peers behind NAT with usable limits at once. p2pd installs a
+    circuit-relay handler at start with go-libp2p's default limits, 128 KiB and 2 minutes per
+    relayed connection (too little for one module's state), and replaces it with its configured
+    relay service (4 GiB, 30 minutes) only once AutoNAT finds the node public, which a small swarm
+    may never confirm.
+    """
     key, identity_file = load_identity(identity_path)
     initial_peers = check_maddrs(initial_peers, "--initial_peers")
     validators: list = [RSASignatureValidator(key)]
@@ -70,11 +102,19 @@ def start_dht(
         use_relay=use_relay,
         use_auto_relay=use_auto_relay,
     )
+    if public and not use_auto_relay:
+        kwargs["force_reachability"] = "public"
     if use_auto_relay:
         # a volunteer asks for a relay because no port can be opened: reserve a slot at once instead
         # of waiting for AutoNAT to conclude so from several peers' dial attempts (small swarms have
-        # too few peers for that); the relays are the initial peers (p2pd's default trusted relays)
+        # too few peers for that). The relays are the initial peers, named as static relays: p2pd
+        # does not default to them, whatever its help text says. A relay only offers its public
+        # addresses (go-libp2p drops private ones from circuit addresses), so a relay on a LAN
+        # address cannot make anyone reachable.
+        if not initial_peers:
+            raise SwarmError("--use_auto_relay needs --initial_peers: the relays are the initial peers")
         kwargs["force_reachability"] = "private"
+        kwargs["trusted_relays"] = list(initial_peers)
     kwargs["identity_path"] = str(identity_file)  # the signing key is the peer id, always
     try:
         dht = hivemind.DHT(
@@ -86,7 +126,8 @@ def start_dht(
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    return [str(m) for m in dht.get_visible_maddrs()]
+    """The addresses p2pd announces now (relay addresses appear after start, so never the cache)."""
+    return [str(m) for m in dht.get_visible_maddrs(latest=True)]
 
 
 def owner_subkey(key: RSAPrivateKey) -> bytes:

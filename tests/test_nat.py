@@ -1,12 +1,14 @@
-"""A peer behind a NAT learns at start that nobody can dial it, and which port to open.
+"""Peers behind NAT: the start-up verdict on reachability, and joining and averaging through a relay.
 
-Three network namespaces: `pub` (bootstrap and one peer, 10.77.1.0/24), `nat` (the volunteer,
-10.77.2.0/24) and `rtr` between them, which masquerades `nat`'s traffic and drops every connection
-that starts from `pub` (no inbound path, as behind a home router). Needs root, iproute2 and iptables.
+Network namespaces: `pub` (the bootstrap node and a peer with an open port, 11.77.1.0/24), one or two
+home networks `natA`, `natB` (10.77.2.0/24, 10.77.3.0/24), and `rtr` joining them, which masquerades
+the home networks' traffic out of its `pub` side and forwards nothing else: no connection into a home
+network, none between the two (as two volunteers behind two home routers). Needs root, iproute2 and
+iptables.
 
-Not shown yet: the NAT'd peer with --use_auto_relay getting a relay reservation on the bootstrap node
-and averaging through it. In this lab no `/p2p-circuit` address appeared within 30 s of start
-(hivemind 1.1.12's p2pd, forceReachabilityPrivate, the bootstrap peer as the default trusted relay).
+The `pub` side has a globally routable-looking address on purpose: go-libp2p builds circuit addresses
+only from a relay's public addresses, so a relay on 10.x could make nobody reachable. The namespaces
+have no route to the outside, so nothing leaves this machine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from peer.swarm.reachability import helpers_from, relay_of, tcp_endpoint
 from tests.swarm_harness import RUN, write_manifest
 
 REPO = Path(__file__).resolve().parent.parent
+PUB_IP = "11.77.1.2"
+#: fixed ports are safe: each namespace has its own port space
+BOOTSTRAP_PORT, OUTSIDE_PORT = 31337, 31338
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,45 +50,44 @@ def _missing() -> str | None:
 
 
 class NatLab:
-    """pub <-> rtr <-> nat; rtr masquerades nat and refuses connections into it."""
+    """pub <-> rtr <-> home networks; rtr masquerades them and lets no connection into them."""
 
-    def __init__(self):
+    def __init__(self, homes: int = 1):
         tag = secrets.token_hex(2)
-        self.pub, self.rtr, self.nat = (f"psn{tag}{x}" for x in ("pub", "rtr", "nat"))
+        self.tag = tag
+        self.pub, self.rtr = f"psn{tag}pub", f"psn{tag}rtr"
+        self.homes = [f"psn{tag}nat{chr(ord('A') + i)}" for i in range(homes)]
         self.procs: list[subprocess.Popen] = []
+
+    @property
+    def nat(self) -> str:
+        return self.homes[0]
+
+    def _leg(self, ns: str, name: str, router_ip: str, far_ip: str) -> str:
+        a, b = f"v{self.tag}{name}r", f"v{self.tag}{name}x"  # router end, far end
+        sh("ip", "link", "add", a, "netns", self.rtr, "type", "veth", "peer", "name", b, "netns", ns)
+        sh("ip", "-n", self.rtr, "addr", "add", f"{router_ip}/24", "dev", a)
+        sh("ip", "-n", ns, "addr", "add", f"{far_ip}/24", "dev", b)
+        sh("ip", "-n", self.rtr, "link", "set", a, "up")
+        sh("ip", "-n", ns, "link", "set", b, "up")
+        return a
 
     def __enter__(self) -> NatLab:
         try:
-            for ns in (self.pub, self.rtr, self.nat):
+            for ns in (self.pub, self.rtr, *self.homes):
                 sh("ip", "netns", "add", ns)
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
-            t = self.rtr[3:7]
-            for side, ns, net in (("p", self.pub, "1"), ("n", self.nat, "2")):
-                a, b = f"v{t}{side}r", f"v{t}{side}x"  # router end, far end
-                sh("ip", "link", "add", a, "netns", self.rtr, "type", "veth", "peer", "name", b, "netns", ns)
-                sh("ip", "-n", self.rtr, "addr", "add", f"10.77.{net}.1/24", "dev", a)
-                sh("ip", "-n", ns, "addr", "add", f"10.77.{net}.2/24", "dev", b)
-                sh("ip", "-n", self.rtr, "link", "set", a, "up")
-                sh("ip", "-n", ns, "link", "set", b, "up")
-            sh("ip", "-n", self.nat, "route", "add", "default", "via", "10.77.2.1")
-            sh("ip", "netns", "exec", self.rtr, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            out = self._leg(self.pub, "p", "11.77.1.1", PUB_IP)
             ipt = ["ip", "netns", "exec", self.rtr, "iptables"]
-            sh(
-                *ipt,
-                "-t",
-                "nat",
-                "-A",
-                "POSTROUTING",
-                "-s",
-                "10.77.2.0/24",
-                "-o",
-                f"v{t}pr",
-                "-j",
-                "MASQUERADE",
-            )
-            sh(*ipt, "-A", "FORWARD", "-i", f"v{t}pr", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
-               "-j", "ACCEPT")  # fmt: skip
-            sh(*ipt, "-A", "FORWARD", "-i", f"v{t}pr", "-j", "DROP")
+            sh("ip", "netns", "exec", self.rtr, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            sh(*ipt, "-P", "FORWARD", "DROP")
+            sh(*ipt, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            for i, ns in enumerate(self.homes):
+                net = f"10.77.{2 + i}"
+                leg = self._leg(ns, f"n{i}", f"{net}.1", f"{net}.2")
+                sh("ip", "-n", ns, "route", "add", "default", "via", f"{net}.1")
+                sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-s", f"{net}.0/24", "-o", out, "-j", "MASQUERADE")
+                sh(*ipt, "-A", "FORWARD", "-i", leg, "-o", out, "-j", "ACCEPT")  # out to the world only
         except BaseException:
             self.close()
             raise
@@ -91,6 +95,19 @@ class NatLab:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def home_ip(self, ns: str) -> str:
+        return f"10.77.{2 + self.homes.index(ns)}.2"
+
+    def can_connect(self, ns: str, host: str, port: int) -> bool:
+        """Whether a TCP connection from namespace `ns` to host:port opens (the lab's own check)."""
+        code = (
+            "import socket,sys\n"
+            "try:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), 3).close()\n"
+            "except OSError:\n sys.exit(1)"
+        )
+        probe = ["ip", "netns", "exec", ns, sys.executable, "-c", code, host, str(port)]
+        return subprocess.run(probe, capture_output=True).returncode == 0
 
     def spawn(self, ns: str, log: Path, *args: str) -> subprocess.Popen:
         with open(log, "w") as out:
@@ -115,7 +132,7 @@ class NatLab:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for ns in (self.pub, self.rtr, self.nat):
+        for ns in (self.pub, self.rtr, *self.homes):
             sh("ip", "netns", "delete", ns, check=False)  # deletes its veths too
 
 
@@ -137,29 +154,133 @@ def test_relay_addresses_are_recognised():
     assert helpers_from(["/ip4/1.2.3.4/tcp/7/p2p/QmA", "/ip6/::1/tcp/7/p2p/QmA"]) == ["QmA"]
 
 
+def _start_bootstrap(lab: NatLab, logs: Path, manifest: Path) -> str:
+    lab.spawn(
+        lab.pub,
+        logs / "bootstrap.log",
+        "bootstrap",
+        "--host_maddrs",
+        f"/ip4/{PUB_IP}/tcp/{BOOTSTRAP_PORT}",
+        "--manifest_path",
+        str(manifest),
+    )
+    return wait_log(logs / "bootstrap.log", r"--initial_peers (\S+)", 60, lab.procs).group(1)
+
+
+def _peer_args(run_id: str, initial: str, ckpt: Path, *extra: str) -> list[str]:
+    return [
+        "peer",
+        "--run",
+        f"{RUN}@{run_id[:16]}",
+        "--path",
+        "0",
+        "--torch_threads",
+        "1",
+        "--batch_size",
+        "4",
+        "--heartbeat_seconds",
+        "1",
+        "--initial_peers",
+        initial,
+        "--checkpoint_dir",
+        str(ckpt),
+        *extra,
+    ]
+
+
 @pytest.mark.timeout(300)
 def test_reachability_check_tells_a_peer_behind_nat_from_one_outside(tmp_path):
     """The dial-back check: the peer outside is dialled back directly; the one behind the NAT is told
-    that nobody can dial it and which port to open. (Joining and averaging through a relay is not
-    shown yet: see the module's docstring.)"""
+    that nobody can dial it, which port to open, and that a relay would do."""
     reason = _missing()
     if reason:
         pytest.skip(reason)
     manifest, run_id = write_manifest(tmp_path)
     logs = tmp_path / "logs"
     logs.mkdir()
-    peer = ["peer", "--run", f"{RUN}@{run_id[:16]}", "--path", "0", "--torch_threads", "1",
-            "--batch_size", "4", "--heartbeat_seconds", "1"]  # fmt: skip
     with NatLab() as lab:
-        lab.spawn(lab.pub, logs / "bootstrap.log", "bootstrap", "--host_maddrs", "/ip4/10.77.1.2/tcp/0",
-                  "--manifest_path", str(manifest))  # fmt: skip
-        initial = wait_log(logs / "bootstrap.log", r"--initial_peers (\S+)", 60, lab.procs).group(1)
-        lab.spawn(lab.pub, logs / "outside.log", *peer, "--initial_peers", initial, "--host_maddrs",
-                  "/ip4/10.77.1.2/tcp/0", "--max_steps", "5")  # fmt: skip
-        lab.spawn(lab.nat, logs / "behind.log", *peer, "--initial_peers", initial, "--host_maddrs",
-                  "/ip4/0.0.0.0/tcp/0", "--max_steps", "5")  # fmt: skip
-        wait_log(logs / "outside.log", r"reachable directly at /ip4/10\.77\.1\.2/", 120, lab.procs)
-        told = wait_log(logs / "behind.log", r"(reachable directly|not reachable: open TCP port (\d+))", 120,
-                        lab.procs)  # fmt: skip
+        initial = _start_bootstrap(lab, logs, manifest)
+        lab.spawn(
+            lab.pub,
+            logs / "outside.log",
+            *_peer_args(run_id, initial, tmp_path / "c1"),
+            "--host_maddrs",
+            f"/ip4/{PUB_IP}/tcp/{OUTSIDE_PORT}",
+            "--max_steps",
+            "5",
+        )
+        lab.spawn(
+            lab.nat,
+            logs / "behind.log",
+            *_peer_args(run_id, initial, tmp_path / "c2"),
+            "--host_maddrs",
+            "/ip4/0.0.0.0/tcp/0",
+            "--max_steps",
+            "5",
+        )
+        wait_log(
+            logs / "outside.log",
+            rf"reachable directly at /ip4/{re.escape(PUB_IP)}/tcp/{OUTSIDE_PORT}/",
+            120,
+            lab.procs,
+        )
+        told = wait_log(
+            logs / "behind.log", r"(reachable directly|not reachable: open TCP port (\d+))", 120, lab.procs
+        )
         assert told.group(2), told.group(0)
         assert "--use_auto_relay" in (logs / "behind.log").read_text()
+
+
+def _rounds(log: str) -> list[str]:
+    return re.findall(r"round (\d+) step \d+ loss [\d.]+ (\{.*\})", log)
+
+
+@pytest.mark.timeout(420)
+def test_two_peers_behind_separate_nats_join_claim_and_average_through_the_bootstrap_relay(tmp_path):
+    """Two volunteers, each behind its own NAT, with --use_auto_relay: each reserves a slot on the
+    bootstrap node and says so; the second downloads the path's state from the first and the two
+    average their modules, every byte between them through the relay (the lab lets neither reach the
+    other any other way, which the test checks first), and end with identical global copies."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    manifest, run_id = write_manifest(tmp_path, inner_steps=10, grid=(1, 1))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with NatLab(homes=2) as lab:
+        initial = _start_bootstrap(lab, logs, manifest)
+        boot_id = helpers_from([initial])[0]
+        listen = ("--use_auto_relay", "--host_maddrs", "/ip4/0.0.0.0/tcp/4001")
+        a_args = _peer_args(run_id, initial, tmp_path / "ca", *listen, "--max_rounds", "1000")
+        a = lab.spawn(lab.homes[0], logs / "a.log", *a_args)
+        wait_log(logs / "a.log", rf"reachable through relay {boot_id}", 90, lab.procs)
+        wait_log(logs / "a.log", r"round 2 step", 120, lab.procs)
+        b_args = _peer_args(run_id, initial, tmp_path / "cb", *listen, "--max_rounds", "3")
+        b = lab.spawn(lab.homes[1], logs / "b.log", *b_args)
+        wait_log(logs / "b.log", rf"reachable through relay {boot_id}", 90, lab.procs)
+        # no path between the homes but the relay: neither home address nor the router's public one
+        # (where each home's masqueraded connections appear) accepts a connection from the other home
+        a_ip = lab.home_ip(lab.homes[0])
+        assert lab.can_connect(lab.homes[0], a_ip, 4001)  # a listens
+        assert not lab.can_connect(lab.homes[1], a_ip, 4001)
+        assert not lab.can_connect(lab.homes[1], "11.77.1.1", 4001)
+        assert lab.can_connect(lab.homes[1], PUB_IP, BOOTSTRAP_PORT)  # out to the world: yes
+        try:
+            assert b.wait(timeout=240) == 0, (logs / "b.log").read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            wait_log(logs / "b.log", r"(?!)", 0, lab.procs)  # fails with every log's tail
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=60) == 0, (logs / "a.log").read_text()[-3000:]
+        a_log, b_log = (logs / "a.log").read_text(), (logs / "b.log").read_text()
+        # the download (both modules' states, more than go-libp2p's default 128 KiB relay limit)
+        # went through whole, and nothing in the join was worth a warning
+        caught_up = re.findall(r"(\w+): caught up to module round [1-9]\d* from its holders", b_log)
+        assert sorted(caught_up) == ["l0m0", "trunk"], b_log[-3000:]
+        loud = [line for line in b_log.splitlines() if re.search(r" (WARN|WARNING|ERROR|CRITICAL) ", line)]
+        assert not loud, "\n".join(loud)
+        assert "relay for peers behind NAT: up" in (logs / "bootstrap.log").read_text()
+        # a round both logged as averaged by two is one all-reduce between them, which ends with the
+        # same bits on both members (tests/test_rounds.py)
+        averaged_a = {r for r, outcomes in _rounds(a_log) if "averaged/2" in outcomes}
+        averaged_b = {r for r, outcomes in _rounds(b_log) if "averaged/2" in outcomes}
+        assert averaged_a & averaged_b, a_log[-2500:] + b_log[-2500:]

@@ -41,10 +41,16 @@ def add_swarm_flags(p: argparse.ArgumentParser) -> None:
         "--identity_path", default=s, help="file with this peer's private key (created if missing)"
     )
     p.add_argument("--use_relay", action="store_true", default=s, help="use libp2p circuit relays (default)")
-    p.add_argument("--no_relay", dest="use_relay", action="store_false", default=s, help="never use relays")
+    p.add_argument(
+        "--no_relay",
+        dest="use_relay",
+        action="store_false",
+        default=s,
+        help="hivemind's use_relay=False (its p2pd still relays for others: measured)",
+    )
     p.add_argument(
         "--use_auto_relay",
         action="store_true",
         default=s,
-        help="behind NAT: become reachable through a relay peer",
+        help="behind NAT: reserve a slot on the initial peers (the relays) and be reached through them",
     )

@@ -104,6 +104,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from dht.node import start_dht, visible_maddrs
+    from dht.relay_check import prefer_configured_relay, start_relaying_dht
     from peer.run.record import load_verified_manifest
     from peer.swarm.manifest import publish_record
 
@@ -113,16 +114,25 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         manifest, record = load_verified_manifest(args.manifest_path)
     if args.keep_state is not None and manifest is None:
         raise ConfigError("--keep_state needs --manifest_path: the keeper must know the run")
-    dht, key = start_dht(
-        initial_peers=getattr(args, "initial_peers", []),
-        host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
-        announce_maddrs=getattr(args, "announce_maddrs", []),
-        identity_path=getattr(args, "identity_path", None),
-        use_relay=getattr(args, "use_relay", True),
-        use_auto_relay=getattr(args, "use_auto_relay", False),
-        run_name=manifest.name if manifest is not None else None,
-        run_id=record.run_id if record is not None else None,
-    )
+
+    def start():
+        return start_dht(
+            initial_peers=getattr(args, "initial_peers", []),
+            host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
+            announce_maddrs=getattr(args, "announce_maddrs", []),
+            identity_path=getattr(args, "identity_path", None),
+            use_relay=getattr(args, "use_relay", True),
+            use_auto_relay=getattr(args, "use_auto_relay", False),
+            public=True,
+            run_name=manifest.name if manifest is not None else None,
+            run_id=record.run_id if record is not None else None,
+        )
+
+    # peers behind NAT relay through their initial peers, so a bootstrap node checks its relay first
+    relays = getattr(args, "use_relay", True) and not getattr(args, "use_auto_relay", False)
+    if relays:
+        prefer_configured_relay()
+    dht, key = start_relaying_dht(start) if relays else start()
     from peer.swarm.reachability import DialBackService
 
     dialback = DialBackService(dht)  # joining peers ask the bootstrap node whether it can dial them

@@ -25,6 +25,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.node import visible_maddrs
 from peer.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class DialBackService:
         """Asks the helpers in turn to dial this peer back; the first answer decides."""
         if client_mode:
             return Reachability("unreachable", "not reachable: --client_mode accepts no connections")
-        own = [str(m) for m in dht.get_visible_maddrs()]
+        own = visible_maddrs(dht)
         direct = [m for m in own if tcp_endpoint(m) is not None]
         me = str(dht.peer_id)
         answered = None
@@ -128,7 +129,7 @@ class DialBackService:
             return Reachability("direct", f"reachable directly at {answered[0]}")
         deadline = time.monotonic() + (RELAY_WAIT_SECONDS if auto_relay else 0.0)
         while True:
-            relays = [r for m in dht.get_visible_maddrs() if (r := relay_of(str(m)))]
+            relays = [r for m in visible_maddrs(dht) if (r := relay_of(m))]
             if relays:
                 return Reachability("relay", f"reachable through relay {relays[0]}")
             if time.monotonic() >= deadline:

@@ -1,0 +1,46 @@
+"""A bootstrap node's relay self-test: module-sized transfers pass through it, or it says they do not."""
+
+from __future__ import annotations
+
+import hivemind
+import pytest
+
+from dht import relay_check
+
+
+@pytest.mark.timeout(120)
+def test_a_bootstrap_style_daemon_relays_transfers_beyond_the_default_relay_limit(monkeypatch):
+    """On one Go thread and declared public (as `pathswarm bootstrap` runs p2pd), every start serves
+    the configured relay: a 512 KiB reply, four times go-libp2p's default limit, arrives whole."""
+    monkeypatch.setenv("GOMAXPROCS", "")
+    relay_check.prefer_configured_relay()
+    for _ in range(3):
+        dht = hivemind.DHT(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, nat_port_map=False, force_reachability="public"
+        )
+        try:
+            assert relay_check.check_relay(dht) == "relays"
+        finally:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_that_relays_only_with_the_default_limits_is_restarted_and_then_warns(caplog):
+    """Not declared public, p2pd never starts its configured relay service within seconds (AutoNAT
+    waits 15 s before it asks anyone), so only the default-limited handler serves: each start is
+    checked, retried, and the last one kept with a warning that says what it costs."""
+    started = []
+
+    def start():
+        started.append(hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, nat_port_map=False))
+        return (started[-1], None)
+
+    try:
+        with caplog.at_level("INFO", logger="dht.relay_check"):
+            dht, _ = relay_check.start_relaying_dht(start, attempts=2)
+        assert len(started) == 2 and dht is started[-1] and dht.is_alive() and not started[0].is_alive()
+        assert "restarting it" in caplog.text
+        assert "relay for peers behind NAT: limited after 2 start(s)" in caplog.text
+    finally:
+        for node in started:
+            node.shutdown()
