@@ -17,6 +17,8 @@ CLAIM_TTL_SECONDS = 30.0
 PROBE_TTL_SECONDS = 300.0
 #: Keepers re-publish what module states they hold; their record lives this long.
 STASH_TTL_SECONDS = 300.0
+#: Peers re-publish which artifacts (base checkpoint, ...) they serve; their record lives this long.
+ARTIFACTS_TTL_SECONDS = 300.0
 #: Every peer holding a verified manifest re-publishes it this often, with this TTL.
 MANIFEST_TTL_SECONDS = 300.0
 #: A reader keeps at most this many claims of one run (a flood of keys cannot grow its memory).
@@ -61,6 +63,12 @@ def stash_key(run_name: str, run_id: str) -> str:
     return f"{run_namespace(run_name, run_id)}_stash"
 
 
+def artifacts_key(run_name: str, run_id: str) -> str:
+    """Which of the run's content-addressed artifacts a peer serves (peer/artifacts/): one record per
+    peer under its owner subkey, re-published every minute; TTL ARTIFACTS_TTL_SECONDS."""
+    return f"{run_namespace(run_name, run_id)}_artifacts"
+
+
 def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
     """Keys whose records have a schema, by record kind; the validator is built from this."""
     keys = {"manifest": manifest_key(run_name)}
@@ -68,4 +76,5 @@ def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
         keys["claim"] = claims_key(run_name, run_id)
         keys["probe"] = probes_key(run_name, run_id)
         keys["stash"] = stash_key(run_name, run_id)
+        keys["artifacts"] = artifacts_key(run_name, run_id)
     return keys

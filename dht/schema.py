@@ -155,9 +155,24 @@ class StashRecord(Record):
         return v
 
 
+class ArtifactsRecord(Record):
+    """The artifacts (by sha256) one peer serves. A claim: every chunk it sends is verified."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    sha256s: list[str] = Field(default_factory=list, max_length=16)
+
+    @field_validator("sha256s")
+    @classmethod
+    def _hexes(cls, v: list[str]) -> list[str]:
+        if not all(_HEX64.match(h) for h in v):
+            raise ValueError("an artifact is named by 64 lowercase hex characters")
+        return v
+
+
 SCHEMAS: dict[str, type[Record]] = {
     "manifest": ManifestRecord,
     "claim": ClaimRecord,
     "probe": ProbeRecord,
     "stash": StashRecord,
+    "artifacts": ArtifactsRecord,
 }
