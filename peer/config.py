@@ -17,13 +17,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dht.keys import CLAIM_TTL_SECONDS, check_run_name
+from peer.artifacts.ref import ArtifactRef
 from peer.codecs.specs import CODEC_NAMES, CODEC_SPECS
 from peer.data.sources import DatasetSpec
 from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
-MANIFEST_FORMAT_VERSION = 3
+MANIFEST_FORMAT_VERSION = 4  # 4: base_checkpoint
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
 MIN_PIN_HEX = 16
 
@@ -133,6 +134,9 @@ class RunManifest(_Frozen):
     tokenizer: str = "bytes"
     tokenizer_fingerprint: str = ""
     router: dict[str, Any] = Field(default_factory=dict)
+    #: the dense base model every module starts from and the router's features come from
+    #: (peer/model/base.py), fetched by hash from the peers that serve it (peer/artifacts/)
+    base_checkpoint: ArtifactRef | None = None
     created_at: float = 0.0
 
     @field_validator("name")
@@ -194,6 +198,9 @@ class PeerConfig(BaseModel):
     #: the folder a run's local data files are read from; required for a run from the swarm that names
     #: local files, whose patterns then may not leave it
     data_root: Path | None = None
+    #: where fetched artifacts (the run's base model) are kept and served from; default: beside
+    #: --checkpoint_dir, else ~/.cache/pathswarm/artifacts
+    artifacts_dir: Path | None = None
     path: str | None = Field(None, description="claim this path (index or one module index per level)")
     device: str = "auto"
     batch_size: int = Field(8, ge=1)

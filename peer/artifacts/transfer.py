@@ -42,7 +42,8 @@ PARALLEL_REQUESTS = 4
 REQUEST_TIMEOUT_SECONDS = 30.0
 #: failures (timeouts, refusals) after which a source is given up for this download
 MAX_SOURCE_FAILURES = 2
-REPUBLISH_SECONDS = 60.0
+#: below the callers' own one-minute loops, so that each of their passes re-publishes
+REPUBLISH_SECONDS = 50.0
 
 
 class _BadChunk(Exception):

@@ -58,10 +58,27 @@ def register(subparsers) -> dict[str, Handler]:
     return {"eval": cmd_eval, "generate": cmd_generate, "export": cmd_export}
 
 
+def _run_base(manifest, args: argparse.Namespace):
+    """The run's base model from disk (None for a run without one): routing needs it."""
+    from peer.artifacts.run_base import ARTIFACTS_SUBDIR, base_on_disk
+
+    folders = [args.artifacts_dir] if args.artifacts_dir else []
+    folders.append(Path(args.manifest_path).parent / ARTIFACTS_SUBDIR)
+    folders += [Path(c) / ARTIFACTS_SUBDIR for c in args.checkpoints or []]
+    return base_on_disk(manifest, folders)
+
+
 def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--manifest_path", type=Path, required=required, help="the run's signed manifest file")
     p.add_argument(
         "--checkpoints", type=Path, nargs="+", required=required, help="checkpoint folders of the run's peers"
+    )
+    p.add_argument(
+        "--artifacts_dir",
+        type=Path,
+        default=None,
+        help="folder holding the run's base model, if it has one (default: beside the manifest, or a "
+        "checkpoint folder's artifacts/)",
     )
     p.add_argument(
         "--allow_untrained",
@@ -100,7 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ckpts = read_checkpoints(manifest, args.checkpoints)
     grid = assemble_grid(manifest, ckpts)
     tok = check_tokenizer(manifest)
-    route = make_route(manifest)
+    route = make_route(manifest, _run_base(manifest, args))
     docs = eval_documents(manifest.dataset, limit=args.max_docs)
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
@@ -216,7 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tok = check_tokenizer(manifest)
         # Route first, so only the chosen path's modules have to be in the checkpoints.
         ids = [tok.bos_id, *tok.encode(args.prompt)]
-        index = int(make_route(manifest)([ids])[0])
+        index = int(make_route(manifest, _run_base(manifest, args))([ids])[0])
         path = path_from_index(manifest.model, index)
         ckpts = read_checkpoints(manifest, args.checkpoints)
         grid = assemble_grid(manifest, ckpts, paths=[path])

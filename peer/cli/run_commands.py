@@ -54,6 +54,19 @@ def register(subparsers) -> dict[str, Handler]:
     )
     c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--warm_start_steps",
+        type=int,
+        default=0,
+        help="train a dense base model of one path's size this many steps on the run's data; every "
+        "module starts from it and the router uses its features (DiPaCo's warm start)",
+    )
+    c.add_argument("--warm_start_batch_size", type=int, default=16, help="batch size of the base's training")
+    c.add_argument(
+        "--base_checkpoint",
+        default=None,
+        help="start every module from this base model instead (a safetensors file a run create wrote)",
+    )
     c.add_argument("--no_publish", action="store_true", help="only write the file")
     return {"run": cmd_run_create}
 
@@ -75,7 +88,9 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         options = RunOptions(**choices)
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
-    manifest = manifest_from_options(options)
+    # the base model, when there is one, goes beside the manifest: a node started with this
+    # --manifest_path serves it to the peers (peer/artifacts/)
+    manifest = manifest_from_options(options, artifacts_dir=Path(args.out).parent / "artifacts")
     # one key both signs the records and is the DHT node's identity: the node's signature validator
     # refuses records whose owner subkey names another key
     key, identity_file = load_identity(getattr(args, "identity_path", None))
@@ -83,6 +98,10 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     save_record(record, args.out)
     print(f"run {manifest.name} id {record.run_id}")
     print(f"manifest written to {args.out}; peers join with --run {manifest.name}@{record.run_id[:16]}")
+    if manifest.base_checkpoint is not None:
+        ref, folder = manifest.base_checkpoint, Path(args.out).parent / "artifacts"
+        print(f"base model {ref.sha256[:12]}… written to {folder}: a node started with --manifest_path "
+              f"{args.out} serves it")  # fmt: skip
     if not args.no_publish and getattr(args, "initial_peers", None):
         dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity_file, client_mode=True)
         try:

@@ -31,6 +31,11 @@ def register(subparsers) -> dict[str, Handler]:
         "--creator", default=s, help="refuse a manifest not signed by this creator key (hex prefix)"
     )
     p.add_argument("--data_root", default=s, help="folder holding the run's local data files")
+    p.add_argument(
+        "--artifacts_dir",
+        default=s,
+        help="where the run's base model is kept and served from (default: CHECKPOINT_DIR/artifacts)",
+    )
     p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
     p.add_argument("--device", default=s, help="auto, cpu or cuda[:N]")
     p.add_argument("--batch_size", type=int, default=s)
@@ -80,6 +85,12 @@ def register(subparsers) -> dict[str, Handler]:
     )
     b.add_argument(
         "--keep_every_seconds", type=float, default=30.0, help="how often kept states are refreshed"
+    )
+    b.add_argument(
+        "--artifacts_dir",
+        type=Path,
+        default=None,
+        help="serve the run's artifacts (its base model) from here (default: beside --manifest_path)",
     )
     return {"peer": cmd_peer, "bootstrap": cmd_bootstrap}
 
@@ -136,7 +147,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from peer.swarm.reachability import DialBackService
 
     dialback = DialBackService(dht)  # joining peers ask the bootstrap node whether it can dial them
-    keeper = None
+    keeper = artifacts = None
     dht_lock = threading.Lock()  # the keeper's thread and this one share the DHT handle
     stop = threading.Event()
     install_sigterm(stop.set)
@@ -148,15 +159,41 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 dht, key, manifest, manifest.name, args.keep_state, args.keep_every_seconds, dht_lock
             )
             keeper.start()
+        artifacts = _serve_run_artifacts(dht, manifest, args)
         print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)
         while not stop.is_set():
             if record is not None:
                 with dht_lock:
                     publish_record(dht, key, record)
+                    if artifacts is not None:
+                        artifacts.publish(dht, key, manifest.name, record.run_id)
             stop.wait(60)
     finally:
+        if artifacts is not None:
+            artifacts.shutdown()
         if keeper is not None:
             keeper.shutdown()
         dialback.shutdown()
         dht.shutdown()
     return 0
+
+
+def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
+    """The artifact service serving the run's base model, when the node has it (else None)."""
+    if manifest is None or manifest.base_checkpoint is None:
+        return None
+    from peer.artifacts.store import ArtifactStore
+    from peer.artifacts.transfer import ArtifactService
+
+    ref = manifest.base_checkpoint
+    store = ArtifactStore(args.artifacts_dir or Path(args.manifest_path).parent / "artifacts")
+    if not store.has(ref):
+        logger.warning(
+            f"the run's base model {ref.sha256[:12]}… is not in {store.root}: this node does not serve it "
+            "(peers get it from others that do; give --artifacts_dir with the folder run create wrote)"
+        )
+        return None
+    service = ArtifactService(dht, store)
+    service.offer(ref)
+    logger.info(f"serving the run's base model {ref.sha256[:12]}… ({ref.size_bytes / 2**20:.1f} MiB)")
+    return service

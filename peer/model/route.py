@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from peer.model.grid import ModelConfig
+from peer.model.base import ModuleStates, base_modules
+from peer.model.grid import ModelConfig, path_module_ids
 from peer.model.router import Router
 from peer.model.transformer import PathModel
 
@@ -56,10 +57,13 @@ def prefix_features(
     return torch.cat(out)
 
 
-def feature_model(cfg: ModelConfig, seed: int) -> PathModel:
-    """The untrained path-0 model of a run: its weights follow from the run seed alone, so every peer
-    rebuilds the identical feature extractor from the manifest without downloading anything."""
-    model = PathModel(cfg, (0,) * cfg.n_levels, seed=seed)
+def feature_model(cfg: ModelConfig, seed: int, base: ModuleStates | None = None) -> PathModel:
+    """Path 0 of a run as it starts: the run's base model when it has one (DiPaCo routes with the
+    base's features), else the untrained model, whose weights follow from the run seed alone. Either
+    way every peer rebuilds the identical feature extractor."""
+    path = (0,) * cfg.n_levels
+    modules = base_modules(cfg, base, path_module_ids(cfg, path)) if base is not None else None
+    model = PathModel(cfg, path, seed=seed, modules=modules)
     model.eval()
     return model
 

@@ -11,21 +11,29 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
 from itertools import islice
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from peer.artifacts.ref import ArtifactRef
+from peer.artifacts.store import ArtifactStore
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
 from peer.data.batches import encode_document
 from peer.data.sources import DatasetSpec, load_documents, split_of
 from peer.errors import ConfigError
+from peer.model.base import ModuleStates, base_module_ids, load_base, save_base
 from peer.model.grid import ModelConfig, model_config_from_preset
 from peer.model.route import feature_model, prefix_features
 from peer.model.router import fit_router
 from peer.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+#: training documents a base model is trained on at most (streamed; a hub corpus is not read whole)
+WARM_START_MAX_DOCS = 50_000
 
 
 class RunOptions(BaseModel):
@@ -50,6 +58,9 @@ class RunOptions(BaseModel):
     overlap_steps: int = Field(0, ge=0)
     mixing_alpha: float | None = Field(None, ge=0, le=1)
     seed: int = 0
+    warm_start_steps: int = Field(0, ge=0)
+    warm_start_batch_size: int = Field(16, ge=1)
+    base_checkpoint: str | None = None
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -61,8 +72,9 @@ def parse_grid(text: str) -> tuple[int, int]:
     return levels, k
 
 
-def manifest_from_options(options: RunOptions) -> RunManifest:
-    """Model shape from the preset and grid, the dataset spec and sync settings, then the router."""
+def manifest_from_options(options: RunOptions, artifacts_dir: Path | None = None) -> RunManifest:
+    """Model shape from the preset and grid, the dataset spec and sync settings, the base model (if
+    asked for: stored in `artifacts_dir`), then the router."""
     o = options
     levels, k = parse_grid(o.grid)
     tok = load_tokenizer(o.tokenizer)
@@ -83,10 +95,49 @@ def manifest_from_options(options: RunOptions) -> RunManifest:
         )
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
+    base = base_ref = None
+    if o.warm_start_steps or o.base_checkpoint:
+        if o.warm_start_steps and o.base_checkpoint:
+            raise ConfigError("give --warm_start_steps or --base_checkpoint, not both")
+        if artifacts_dir is None:
+            raise ConfigError("a base model needs a folder to be written to")
+        base, base_ref = make_base(o, model, dataset, tok, artifacts_dir)
     return build_manifest(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
-        tokenizer=o.tokenizer,
+        tokenizer=o.tokenizer, base=base, base_ref=base_ref,
     )  # fmt: skip
+
+
+def make_base(
+    o: RunOptions, model: ModelConfig, dataset: DatasetSpec, tok, artifacts_dir: Path
+) -> tuple[ModuleStates, ArtifactRef]:
+    """The run's base model: `--base_checkpoint` checked against the model shape, or a dense model
+    of one path's size trained `--warm_start_steps` on the run's training documents (the run's AdamW
+    and cosine, as the DiPaCo benchmark's base) and cut into path 0's modules. Stored as an artifact."""
+    from peer.offline.simulate import DenseTrainer, SimConfig, warm_start_modules
+
+    store = ArtifactStore(artifacts_dir)
+    if o.base_checkpoint:
+        source = Path(o.base_checkpoint)
+        base = load_base(source, model)
+        return base, store.add_file(source, "base")
+    docs = islice(load_documents(dataset), WARM_START_MAX_DOCS)
+    docs = [d for d in docs if split_of(d, dataset) == "train"]
+    if not docs:
+        raise ConfigError("the run's dataset has no training documents to train a base model on")
+    sim = SimConfig(model=model, seed=o.seed, seq_len=o.seq_len, batch_size=o.warm_start_batch_size)
+    started = time.monotonic()
+    dense = DenseTrainer(sim, docs, tok, o.warm_start_steps, desc="base model").train(o.warm_start_steps)
+    states = warm_start_modules(model, dense)
+    base = {mid: states[mid] for mid in base_module_ids(model)}
+    logger.info(
+        f"trained the base model {o.warm_start_steps} steps on {len(docs)} documents "
+        f"in {time.monotonic() - started:.0f}s"
+    )
+    store._ensure_root()
+    with tempfile.NamedTemporaryFile(dir=artifacts_dir, suffix=".safetensors") as tmp:
+        save_base(base, Path(tmp.name))
+        return base, store.add_file(Path(tmp.name), "base")
 
 
 def build_manifest(
@@ -103,6 +154,8 @@ def build_manifest(
     tokenizer: str = "bytes",
     router_docs: int = 1000,
     router_kind: str = "product_kmeans",
+    base: ModuleStates | None = None,
+    base_ref: ArtifactRef | None = None,
 ) -> RunManifest:
     """Fits the router on up to `router_docs` training documents and returns the full manifest."""
     tok = load_tokenizer(tokenizer)
@@ -113,7 +166,8 @@ def build_manifest(
     if len(docs) < model.n_paths * 4:
         raise ConfigError(f"only {len(docs)} training documents to fit a router for {model.n_paths} paths")
     started = time.monotonic()
-    features = prefix_features(feature_model(model, seed), [encode_document(tok, d) for d in docs])
+    extractor = feature_model(model, seed, base)  # DiPaCo routes with the base model's features
+    features = prefix_features(extractor, [encode_document(tok, d) for d in docs])
     kind = router_kind if model.n_levels > 1 else "kmeans"
     router = fit_router(features, model.n_levels, model.modules_per_level, kind=kind, seed=seed)
     logger.info(f"fitted a {kind} router on {len(docs)} documents in {time.monotonic() - started:.1f}s")
@@ -130,6 +184,7 @@ def build_manifest(
         tokenizer=tokenizer,
         tokenizer_fingerprint=tok.fingerprint,
         router=json.loads(router.to_json()),
+        base_checkpoint=base_ref,
         created_at=time.time(),
     )
     try:

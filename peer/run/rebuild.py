@@ -1,8 +1,8 @@
 """What every peer rebuilds from a run manifest alone: the tokenizer and the routing function.
 
-The router travels inside the manifest and its features come from the run's *initial* path-0 model,
-whose weights follow from the run seed, so every peer routes every document to the same path
-without downloading anything.
+The router travels inside the manifest and its features come from the run's *initial* path-0 model:
+the base model the manifest names by hash (fetched like any artifact), or without one the model whose
+weights follow from the run seed. Either way every peer routes every document to the same path.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 
 from peer.config import RunManifest
 from peer.errors import ConfigError
+from peer.model.base import ModuleStates
 from peer.model.route import Route, feature_model, route_function
 from peer.model.router import Router
 from peer.model.tokenizer import Tokenizer, load_tokenizer
@@ -20,9 +21,12 @@ def router_of(manifest: RunManifest) -> Router:
     return Router.from_json(json.dumps(manifest.router))
 
 
-def make_route(manifest: RunManifest) -> Route:
-    """The routing function every peer of the run shares."""
-    return route_function(router_of(manifest), feature_model(manifest.model, manifest.seed))
+def make_route(manifest: RunManifest, base: ModuleStates | None = None) -> Route:
+    """The routing function every peer of the run shares; `base` is the run's base model, which a
+    run that names one must pass (its router was fitted on the base's features)."""
+    if (base is None) != (manifest.base_checkpoint is None):
+        raise ConfigError("the router of a run with a base model needs the base, and only then")
+    return route_function(router_of(manifest), feature_model(manifest.model, manifest.seed, base))
 
 
 def check_tokenizer(manifest: RunManifest) -> Tokenizer:

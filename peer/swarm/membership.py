@@ -101,6 +101,8 @@ class Membership:
         self._stop = threading.Event()
         self._wake = threading.Event()  # "publish our claim now" from the training loop
         self._heartbeat: threading.Thread | None = None
+        #: the peer's artifact service, whose offers the heartbeat keeps published (None: no artifacts)
+        self.artifacts = None
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -362,6 +364,9 @@ class Membership:
                     last_probe = time.monotonic()
                 if self.manifest.sync.max_group_size:
                     self.snapshot = self.build_snapshot()
+                if self.artifacts is not None:  # it re-publishes once a minute at most
+                    with self._lock:
+                        self.artifacts.publish(self.dht, self.key, self.config.run_name, self.record.run_id)
                 if time.monotonic() - last_manifest > MANIFEST_REPUBLISH_SECONDS:
                     with self._lock:
                         publish_record(self.dht, self.key, self.record)

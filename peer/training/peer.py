@@ -24,6 +24,9 @@ from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
+from peer.artifacts.run_base import default_artifacts_dir, obtain_base, run_folder_store
+from peer.artifacts.store import ArtifactStore
+from peer.artifacts.transfer import ArtifactService
 from peer.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig, RunManifest
@@ -31,6 +34,7 @@ from peer.data.batches import PathBatches
 from peer.data.sources import load_documents, local_files
 from peer.errors import ConfigError
 from peer.faults import fault_point
+from peer.model.base import ModuleStates, base_modules
 from peer.model.grid import parse_path, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.memory import available_bytes, check_path_fits
@@ -79,6 +83,8 @@ class Peer(PathRotation):
         self._checkpointed_step = -1
         self._closed = False
         self._dir_lock: CheckpointDirLock | None = None
+        self.artifacts: ArtifactService | None = None
+        self.base: ModuleStates | None = None
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -111,10 +117,12 @@ class Peer(PathRotation):
         self._check_memory()
         self.tokenizer = check_tokenizer(self.manifest)
         self._check_data()
+        self.base = self._obtain_base()
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
         self.membership.reachability = self.reachability.state
+        self.membership.artifacts = self.artifacts
         if self.stop_requested.is_set():
             self.membership.request_stop()
         self.membership.read_claims()
@@ -162,6 +170,19 @@ class Peer(PathRotation):
         publish_record(self.dht, self.key, record)
         return manifest, record
 
+    def _obtain_base(self) -> ModuleStates | None:
+        """The run's base model (None if it has none), fetched if need be and served from now on."""
+        if self.manifest.base_checkpoint is None:
+            return None
+        cfg = self.config
+        store = ArtifactStore(cfg.artifacts_dir or default_artifacts_dir(cfg.checkpoint_dir))
+        self.artifacts = ArtifactService(self.dht, store)
+        base = obtain_base(
+            self.artifacts, self.dht, self.manifest, self.run_id, [run_folder_store(cfg.manifest_path)]
+        )
+        self.artifacts.publish(self.dht, self.key, cfg.run_name, self.run_id)
+        return base
+
     def _check_memory(self) -> None:
         """Refuses a path that would not fit, before its model or optimizer is allocated."""
         cfg, device = self.config, self.device
@@ -202,8 +223,12 @@ class Peer(PathRotation):
         """The path model, its inner optimizer and its sync layer; on a rotation, the modules the
         new path shares with `kept` (the old path's model) stay as they are, sync state included."""
         m = self.manifest
-        shared = dict(kept.parts.items()) if kept is not None else None
-        self.model = PathModel(m.model, self.path, seed=m.seed, modules=shared).to(self.device)
+        ids = path_module_ids(m.model, self.path)
+        # a run with a base model starts every module from it (peer/model/base.py); the modules a
+        # rotation keeps stay as they are
+        modules = base_modules(m.model, self.base, ids) if self.base is not None else {}
+        modules.update(dict(kept.parts.items()) if kept is not None else {})
+        self.model = PathModel(m.model, self.path, seed=m.seed, modules=modules).to(self.device)
         # DiPaCo gives each path its own inner optimizer: a path we rotate to starts a fresh one
         # (the old path's Adam moments belong to modules and a data shard we no longer train)
         self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
@@ -241,7 +266,7 @@ class Peer(PathRotation):
         m = self.manifest
         batches = PathBatches(
             load_documents(m.dataset, root=self._data_root),
-            make_route(m),
+            make_route(m, self.base),
             path_index(m.model, self.path),
             self.tokenizer,
             m.seq_len,
@@ -427,6 +452,8 @@ class Peer(PathRotation):
             self.metrics.shutdown()
         if self.dialback is not None:
             self.dialback.shutdown()
+        if self.artifacts is not None:
+            self.artifacts.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
         if self._dir_lock is not None:

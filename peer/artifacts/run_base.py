@@ -1,0 +1,104 @@
+"""Getting a run's base model: from a local copy, or by hash from the peers that serve it.
+
+A peer looks in its own artifact folder first, then beside the manifest it was given (where
+`pathswarm run create` writes the base), then asks the DHT who serves it and fetches it
+(peer/artifacts/transfer.py). Whatever it got, it then serves too, so the run's base outlives its
+creator. Offline commands (eval, generate, the demo's check) only look on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import hivemind
+
+from peer.artifacts.ref import ArtifactRef, describe_file
+from peer.artifacts.store import ArtifactError, ArtifactStore
+from peer.artifacts.transfer import ArtifactService, providers
+from peer.config import RunManifest
+from peer.errors import ConfigError
+from peer.model.base import ModuleStates, load_base
+
+logger = logging.getLogger(__name__)
+
+#: how long a peer looks for a source of the base before it gives up (a DHT record can lag a start)
+FIND_SOURCES_SECONDS = 60.0
+ARTIFACTS_SUBDIR = "artifacts"
+
+
+def default_artifacts_dir(checkpoint_dir: Path | None) -> Path:
+    # inside the peer's own (locked) checkpoint folder: two peers never write one partial file
+    if checkpoint_dir is not None:
+        return Path(checkpoint_dir) / ARTIFACTS_SUBDIR
+    return Path.home() / ".cache" / "pathswarm" / ARTIFACTS_SUBDIR
+
+
+def run_folder_store(manifest_path: Path | None) -> ArtifactStore | None:
+    """Where `run create` put the run's artifacts: beside its manifest."""
+    return ArtifactStore(Path(manifest_path).parent / ARTIFACTS_SUBDIR) if manifest_path else None
+
+
+def _adopt(store: ArtifactStore, other: ArtifactStore | None, ref: ArtifactRef) -> bool:
+    """Copies the artifact in from `other` if it is there and is the manifest's."""
+    if other is None or other.root == store.root or not other.path(ref.sha256).is_file():
+        return False
+    got = store.add_file(other.path(ref.sha256), ref.name, ref.chunk_bytes)
+    if got.sha256 != ref.sha256 or got.chunks_sha256 != ref.chunks_sha256:
+        raise ArtifactError(f"{other.path(ref.sha256)} is not the run's {ref.name} (its sha256 differs)")
+    return True
+
+
+def obtain_base(
+    service: ArtifactService,
+    dht: hivemind.DHT,
+    manifest: RunManifest,
+    run_id: str,
+    local: list[ArtifactStore | None],
+    progress: bool = True,
+) -> ModuleStates:
+    """The run's base model, checked against the manifest, and offered to other peers from now on."""
+    ref = manifest.base_checkpoint
+    assert ref is not None
+    store = service.store
+    if not store.has(ref) and not any(_adopt(store, other, ref) for other in local):
+        deadline, last = time.monotonic() + FIND_SOURCES_SECONDS, "no peer offers it yet"
+        while not store.has(ref):
+            sources = providers(dht, manifest.name, run_id, ref.sha256)
+            if sources:
+                mib = ref.size_bytes / 2**20
+                logger.info(f"fetching the run's base model ({mib:.1f} MiB) from {len(sources)} peer(s)")
+                try:
+                    service.fetch(ref, sources, progress)
+                    break
+                except ArtifactError as e:
+                    last = str(e)
+            if time.monotonic() > deadline:
+                raise ArtifactError(
+                    f"could not get the run's base model {ref.sha256[:12]}… ({last}); it is served by any "
+                    "node started with the run's --manifest_path and the artifacts folder beside it"
+                )
+            time.sleep(3.0)
+    service.offer(ref)
+    return load_base(store.path(ref.sha256), manifest.model)
+
+
+def base_on_disk(manifest: RunManifest, folders: list[Path]) -> ModuleStates | None:
+    """The run's base from the first of `folders` (artifact folders) that has it; None for a run
+    without a base. Offline commands use this: they never fetch."""
+    ref = manifest.base_checkpoint
+    if ref is None:
+        return None
+    for folder in folders:
+        if ArtifactStore(folder).path(ref.sha256).is_file():
+            path = ArtifactStore(folder).path(ref.sha256)
+            got, _ = describe_file(path, ref.name, ref.chunk_bytes)
+            if got.sha256 != ref.sha256:
+                raise ConfigError(f"{path} is not the run's base model (its sha256 differs)")
+            return load_base(path, manifest.model)
+    raise ConfigError(
+        f"this run starts from a base model ({ref.sha256[:12]}…) that is in none of "
+        f"{[str(f) for f in folders]}: pass --artifacts_dir with the folder that holds it (run create "
+        "writes it beside the manifest; every peer keeps a copy in CHECKPOINT_DIR/artifacts)"
+    )
