@@ -2,7 +2,8 @@
 layer or the layers before it (`tests/test_layout.py` checks this, and that nothing imports in a
 circle):
 
-1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint`, `background_loop`; and the
+1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint`, `background_loop`, `artifacts/`
+   (content-addressed files over P2P); and the
    sibling packages `dht` (keys, record schemas, validators, identities, node start-up) and
    `monitoring` (Prometheus metrics)
 2. `model/` — grid shape, transformer, tokenizer, router and routing

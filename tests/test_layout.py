@@ -19,6 +19,7 @@ LAYERS = {
     "peer.codecs": 1,
     "peer.checkpoint": 1,
     "peer.background_loop": 1,
+    "peer.artifacts": 1,
     "dht": 1,
     "monitoring": 1,
     "peer.model": 2,

@@ -22,6 +22,8 @@ MAX_ARTIFACT_BYTES = 64 << 30
 
 
 class ArtifactRef(BaseModel):
+    """An artifact as a signed manifest names it; nothing else about it is trusted."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, max_length=128)

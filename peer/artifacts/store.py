@@ -26,6 +26,8 @@ class ArtifactError(SwarmError):
 
 
 class ArtifactStore:
+    """One folder of complete artifacts and partial downloads (the module docstring has the layout)."""
+
     def __init__(self, root: Path):
         self.root = Path(root)
 

@@ -47,7 +47,7 @@ REPUBLISH_SECONDS = 50.0
 
 
 class _BadChunk(Exception):
-    pass
+    """A reply that cannot be the artifact's: wrong length or digest. Its source is lying or broken."""
 
 
 class ArtifactService:

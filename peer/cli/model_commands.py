@@ -60,7 +60,7 @@ def register(subparsers) -> dict[str, Handler]:
 
 def _run_base(manifest, args: argparse.Namespace):
     """The run's base model from disk (None for a run without one): routing needs it."""
-    from peer.artifacts.run_base import ARTIFACTS_SUBDIR, base_on_disk
+    from peer.swarm.base_model import ARTIFACTS_SUBDIR, base_on_disk
 
     folders = [args.artifacts_dir] if args.artifacts_dir else []
     folders.append(Path(args.manifest_path).parent / ARTIFACTS_SUBDIR)
@@ -105,7 +105,9 @@ def _checkpoint_batch_size(ckpts, seq_len: int) -> int | None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from peer.data.batches import encode_document
     from peer.data.sources import eval_documents, load_documents, split_of
+    from peer.model.base import base_modules
     from peer.model.route import route_documents
+    from peer.model.transformer import PathModel
     from peer.offline.evaluation import evaluate
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.simulate import DenseTrainer, SimConfig
@@ -117,7 +119,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ckpts = read_checkpoints(manifest, args.checkpoints)
     grid = assemble_grid(manifest, ckpts)
     tok = check_tokenizer(manifest)
-    route = make_route(manifest, _run_base(manifest, args))
+    base = _run_base(manifest, args)
+    route = make_route(manifest, base)
     docs = eval_documents(manifest.dataset, limit=args.max_docs)
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
@@ -141,7 +144,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
         print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
         # The peers' cosine runs over manifest.inner.total_steps; the baseline follows the same one.
-        model = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps)).train(steps)
+        # A warm-started run's paths all started from its base: so does the baseline (path 0 of the
+        # grid, as the base holds it, is a dense model of one path's size)
+        start = None
+        if base is not None:
+            path0 = (0,) * manifest.model.n_levels
+            start = PathModel(manifest.model, path0, modules=base_modules(manifest.model, base, list(base)))
+        trainer = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps), model=start)
+        model = trainer.train(steps)
         dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
 
     _print_table(manifest, result, dense, steps_per_path, shares)

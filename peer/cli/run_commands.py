@@ -76,8 +76,9 @@ def cmd_run_create(args: argparse.Namespace) -> int:
 
     from dht.identity import load_identity
     from dht.node import start_dht
-    from peer.config import one_line
+    from peer.config import InnerOptimizerConfig, one_line
     from peer.errors import ConfigError, SwarmError
+    from peer.offline.warm_start import make_base
     from peer.run.create import RunOptions, manifest_from_options
     from peer.run.record import save_record, sign_manifest
     from peer.swarm.manifest import fetch_manifest, publish_record
@@ -90,7 +91,10 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         raise ConfigError(one_line(e)) from None
     # the base model, when there is one, goes beside the manifest: a node started with this
     # --manifest_path serves it to the peers (peer/artifacts/)
-    manifest = manifest_from_options(options, artifacts_dir=Path(args.out).parent / "artifacts")
+    artifacts = Path(args.out).parent / "artifacts"
+    manifest = manifest_from_options(
+        options, lambda o, model, data, tok: make_base(o, model, data, tok, artifacts, InnerOptimizerConfig())
+    )
     # one key both signs the records and is the DHT node's identity: the node's signature validator
     # refuses records whose owner subkey names another key
     key, identity_file = load_identity(getattr(args, "identity_path", None))

@@ -11,29 +11,24 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import time
+from collections.abc import Callable
 from itertools import islice
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from peer.artifacts.ref import ArtifactRef
-from peer.artifacts.store import ArtifactStore
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
 from peer.data.batches import encode_document
 from peer.data.sources import DatasetSpec, load_documents, split_of
 from peer.errors import ConfigError
-from peer.model.base import ModuleStates, base_module_ids, load_base, save_base
+from peer.model.base import ModuleStates
 from peer.model.grid import ModelConfig, model_config_from_preset
 from peer.model.route import feature_model, prefix_features
 from peer.model.router import fit_router
-from peer.model.tokenizer import load_tokenizer
+from peer.model.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-#: training documents a base model is trained on at most (streamed; a hub corpus is not read whole)
-WARM_START_MAX_DOCS = 50_000
 
 
 class RunOptions(BaseModel):
@@ -72,9 +67,13 @@ def parse_grid(text: str) -> tuple[int, int]:
     return levels, k
 
 
-def manifest_from_options(options: RunOptions, artifacts_dir: Path | None = None) -> RunManifest:
+#: makes a run's base model from its options, model shape, dataset and tokenizer: (states, artifact)
+BaseMaker = Callable[[RunOptions, ModelConfig, DatasetSpec, Tokenizer], tuple[ModuleStates, ArtifactRef]]
+
+
+def manifest_from_options(options: RunOptions, base_maker: BaseMaker | None = None) -> RunManifest:
     """Model shape from the preset and grid, the dataset spec and sync settings, the base model (if
-    asked for: stored in `artifacts_dir`), then the router."""
+    asked for, from `base_maker`: `peer.offline.warm_start.make_base`), then the router."""
     o = options
     levels, k = parse_grid(o.grid)
     tok = load_tokenizer(o.tokenizer)
@@ -99,45 +98,13 @@ def manifest_from_options(options: RunOptions, artifacts_dir: Path | None = None
     if o.warm_start_steps or o.base_checkpoint:
         if o.warm_start_steps and o.base_checkpoint:
             raise ConfigError("give --warm_start_steps or --base_checkpoint, not both")
-        if artifacts_dir is None:
-            raise ConfigError("a base model needs a folder to be written to")
-        base, base_ref = make_base(o, model, dataset, tok, artifacts_dir)
+        if base_maker is None:
+            raise ConfigError("this caller cannot make a base model")
+        base, base_ref = base_maker(o, model, dataset, tok)
     return build_manifest(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
         tokenizer=o.tokenizer, base=base, base_ref=base_ref,
     )  # fmt: skip
-
-
-def make_base(
-    o: RunOptions, model: ModelConfig, dataset: DatasetSpec, tok, artifacts_dir: Path
-) -> tuple[ModuleStates, ArtifactRef]:
-    """The run's base model: `--base_checkpoint` checked against the model shape, or a dense model
-    of one path's size trained `--warm_start_steps` on the run's training documents (the run's AdamW
-    and cosine, as the DiPaCo benchmark's base) and cut into path 0's modules. Stored as an artifact."""
-    from peer.offline.simulate import DenseTrainer, SimConfig, warm_start_modules
-
-    store = ArtifactStore(artifacts_dir)
-    if o.base_checkpoint:
-        source = Path(o.base_checkpoint)
-        base = load_base(source, model)
-        return base, store.add_file(source, "base")
-    docs = islice(load_documents(dataset), WARM_START_MAX_DOCS)
-    docs = [d for d in docs if split_of(d, dataset) == "train"]
-    if not docs:
-        raise ConfigError("the run's dataset has no training documents to train a base model on")
-    sim = SimConfig(model=model, seed=o.seed, seq_len=o.seq_len, batch_size=o.warm_start_batch_size)
-    started = time.monotonic()
-    dense = DenseTrainer(sim, docs, tok, o.warm_start_steps, desc="base model").train(o.warm_start_steps)
-    states = warm_start_modules(model, dense)
-    base = {mid: states[mid] for mid in base_module_ids(model)}
-    logger.info(
-        f"trained the base model {o.warm_start_steps} steps on {len(docs)} documents "
-        f"in {time.monotonic() - started:.0f}s"
-    )
-    store._ensure_root()
-    with tempfile.NamedTemporaryFile(dir=artifacts_dir, suffix=".safetensors") as tmp:
-        save_base(base, Path(tmp.name))
-        return base, store.add_file(Path(tmp.name), "base")
 
 
 def build_manifest(

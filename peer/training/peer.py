@@ -24,23 +24,21 @@ from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
-from peer.artifacts.run_base import default_artifacts_dir, obtain_base, run_folder_store
-from peer.artifacts.store import ArtifactStore
 from peer.artifacts.transfer import ArtifactService
 from peer.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
-from peer.data.sources import load_documents, local_files
+from peer.data.sources import load_documents
 from peer.errors import ConfigError
 from peer.faults import fault_point
 from peer.model.base import ModuleStates, base_modules
 from peer.model.grid import parse_path, path_index, path_module_ids
 from peer.model.transformer import PathModel
-from peer.run.memory import available_bytes, check_path_fits
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
+from peer.swarm.base_model import start_base_service
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.reachability import DialBackService, helpers_from
@@ -51,6 +49,7 @@ from peer.sync.service import SyncService
 from peer.training.history import RoundHistory
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 from peer.training.rotate import PathRotation
+from peer.training.startup_checks import check_data, check_memory
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +113,9 @@ class Peer(PathRotation):
         self.manifest, record = self._join_run()
         self.run_id = record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
-        self._check_memory()
+        check_memory(self.manifest, cfg, self.device)
         self.tokenizer = check_tokenizer(self.manifest)
-        self._check_data()
+        self._data_root = check_data(self.manifest, cfg)
         self.base = self._obtain_base()
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
@@ -174,40 +173,8 @@ class Peer(PathRotation):
         """The run's base model (None if it has none), fetched if need be and served from now on."""
         if self.manifest.base_checkpoint is None:
             return None
-        cfg = self.config
-        store = ArtifactStore(cfg.artifacts_dir or default_artifacts_dir(cfg.checkpoint_dir))
-        self.artifacts = ArtifactService(self.dht, store)
-        base = obtain_base(
-            self.artifacts, self.dht, self.manifest, self.run_id, [run_folder_store(cfg.manifest_path)]
-        )
-        self.artifacts.publish(self.dht, self.key, cfg.run_name, self.run_id)
+        self.artifacts, base = start_base_service(self.dht, self.key, self.config, self.manifest, self.run_id)
         return base
-
-    def _check_memory(self) -> None:
-        """Refuses a path that would not fit, before its model or optimizer is allocated."""
-        cfg, device = self.config, self.device
-        available = available_bytes(device.type, device.index)
-        cpu = available_bytes("cpu")
-        if cfg.max_memory_bytes is not None:
-            available, cpu = min(available, cfg.max_memory_bytes), min(cpu, cfg.max_memory_bytes)
-        estimate = check_path_fits(self.manifest, cfg.batch_size, device.type, available, cpu)
-        logger.info(
-            f"a path needs about {estimate.total_bytes(cfg.batch_size) / 2**20:.0f} MiB at batch size "
-            f"{cfg.batch_size}; {available / 2**20:.0f} MiB available on {device}"
-        )
-
-    def _check_data(self) -> None:
-        """Finds the run's data before anything is claimed. A run from the swarm that names local
-        files is read only under --data_root (a stranger chose its patterns)."""
-        spec, cfg = self.manifest.dataset, self.config
-        self._data_root = cfg.data_root
-        if spec.kind in ("text", "json", "parquet"):
-            if cfg.manifest_path is None and cfg.data_root is None:
-                raise ConfigError(
-                    f"run {cfg.run_name} trains on local files {spec.data_files}: every peer needs a copy; "
-                    "give --data_root DIR of yours that holds them"
-                )
-            local_files(spec, self._data_root)
 
     def _load_checkpoint(self):
         loaded = load_latest_checkpoint(self.config.checkpoint_dir)

@@ -17,7 +17,7 @@ import hivemind
 from peer.artifacts.ref import ArtifactRef, describe_file
 from peer.artifacts.store import ArtifactError, ArtifactStore
 from peer.artifacts.transfer import ArtifactService, providers
-from peer.config import RunManifest
+from peer.config import PeerConfig, RunManifest
 from peer.errors import ConfigError
 from peer.model.base import ModuleStates, load_base
 
@@ -82,6 +82,21 @@ def obtain_base(
             time.sleep(3.0)
     service.offer(ref)
     return load_base(store.path(ref.sha256), manifest.model)
+
+
+def start_base_service(
+    dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str
+) -> tuple[ArtifactService, ModuleStates]:
+    """A peer's artifact service with the run's base model in it, offered and published."""
+    store = ArtifactStore(config.artifacts_dir or default_artifacts_dir(config.checkpoint_dir))
+    service = ArtifactService(dht, store)
+    try:
+        base = obtain_base(service, dht, manifest, run_id, [run_folder_store(config.manifest_path)])
+        service.publish(dht, key, config.run_name, run_id)
+    except BaseException:
+        service.shutdown()
+        raise
+    return service, base
 
 
 def base_on_disk(manifest: RunManifest, folders: list[Path]) -> ModuleStates | None:

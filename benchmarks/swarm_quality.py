@@ -1,0 +1,253 @@
+"""The live swarm's quality against two dense baselines: `python -m benchmarks.swarm_quality --out DIR`.
+
+What a researcher gets from a real run, measured: the script creates a warm-started run over the
+corpus (the built-in one, or `--data_files`), trains it on a local swarm of real processes (a
+bootstrap node serving the run and its base model, and one peer per path, each fetching the base by
+hash and averaging its modules with the other holders over the DHT), evaluates the composite the way
+`pathswarm eval` does, and trains in the same script, on the same held-out documents and routing:
+
+* `dense_ppl`: path-size, from the run's base for as many steps as one path trained (DiPaCo's
+  comparison at equal per-path compute; the target is composite <= 0.92 x this);
+* `dense_all_params_ppl`: the dense shape whose parameter count is closest to all the grid's
+  modules together (`benchmarks.dipaco.all_params_shape`), from scratch for the grid's whole
+  batch-step budget, base included (the same tokens as the grid; DiPaCo's headline is composite
+  <= 1.0 x this).
+
+Settings default to `benchmarks.dipaco`'s (the in-process simulator), so the two composite/dense
+ratios can be read side by side. Writes DIR/swarm_quality.json, .png and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/dipaco.py
+
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.dipaco import TARGET_RATIO, all_params_shape, dataset_spec, n_parameters, shared_fraction
+from peer.cli.local_swarm import LocalSwarm
+from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, SyncConfig
+from peer.data.batches import encode_document
+from peer.data.sources import eval_documents, load_documents, split_of
+from peer.model.base import base_module_ids, base_modules
+from peer.model.grid import ModelConfig
+from peer.model.route import route_documents
+from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import PathModel
+from peer.offline.evaluation import evaluate
+from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints
+from peer.offline.simulate import DenseTrainer, SimConfig
+from peer.offline.warm_start import make_base
+from peer.run.create import RunOptions, build_manifest
+from peer.run.rebuild import make_route
+from peer.run.record import save_record, sign_manifest
+
+RUN = "quality"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.swarm_quality", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data_files", default=None, help="glob of local .txt (one doc per line) or .jsonl files")
+    p.add_argument("--builtin_docs", type=int, default=6000)
+    p.add_argument("--grid", default="2x2")
+    p.add_argument("--steps_per_path", type=int, default=600)
+    p.add_argument("--warm_start_steps", type=int, default=200)
+    p.add_argument("--inner_steps", type=int, default=50, help="H")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--max_eval_docs", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout_seconds", type=float, default=900.0, help="for the swarm's training")
+    return p.parse_args(argv)
+
+
+def create_run(args: argparse.Namespace, folder: Path):
+    """The run, as `pathswarm run create --warm_start_steps` makes it, with the simulator's shapes."""
+    levels, k = (int(x) for x in args.grid.split("x"))
+    model = ModelConfig(d_model=64, n_heads=4, d_ff=256, max_seq_len=max(128, args.seq_len + 1),
+                        n_levels=levels, modules_per_level=k, blocks_per_module=1)  # fmt: skip
+    dataset = dataset_spec(args)
+    inner = InnerOptimizerConfig(lr=args.lr, warmup_steps=50, total_steps=args.steps_per_path)
+    options = RunOptions(
+        name=RUN,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        warm_start_steps=args.warm_start_steps,
+        warm_start_batch_size=args.batch_size,
+    )
+    tok = ByteTokenizer()
+    base, ref = make_base(options, model, dataset, tok, folder / "artifacts", inner)
+    manifest = build_manifest(
+        RUN, model, dataset, seed=args.seed, seq_len=args.seq_len, inner_steps=args.inner_steps, inner=inner,
+        outer=OuterOptimizerConfig(lr=0.7, momentum=0.9), sync=SyncConfig(), base=base, base_ref=ref,
+    )  # fmt: skip
+    record = sign_manifest(manifest, RSAPrivateKey())
+    save_record(record, folder / "manifest.json")
+    return manifest, base
+
+
+def train_swarm(args: argparse.Namespace, manifest, folder: Path) -> tuple[list[Path], float]:
+    n = manifest.model.n_paths
+    rounds = args.steps_per_path // args.inner_steps
+    ckpts = [folder / "peers" / f"p{i}" for i in range(n)]
+    started = time.monotonic()
+    # peers of a run over local files are given the manifest (a run from the swarm may not name
+    # local files outside --data_root); on the built-in corpus they join by name and fetch the base
+    local = ["--manifest_path", str(folder / "manifest.json")] if args.data_files else []
+    with LocalSwarm(folder / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
+        for i in range(n):
+            swarm.start_peer(f"p{i}", [*local,
+                "--run", RUN, "--path", str(i), "--checkpoint_dir", str(ckpts[i]),
+                "--max_rounds", str(rounds), "--wait_for_peers", str(n), "--batch_size", str(args.batch_size),
+                "--torch_threads", "1",
+                "--rotate_every_rounds", "0", "--heartbeat_seconds", "2",
+            ])  # fmt: skip
+        for i in range(n):
+            code = swarm.wait(f"p{i}", timeout=max(60.0, args.timeout_seconds - (time.monotonic() - started)))
+            if code != 0:
+                raise SystemExit(
+                    f"peer p{i} exited with {code}: {swarm.log_path(f'p{i}').read_text()[-2000:]}"
+                )
+    return ckpts, time.monotonic() - started
+
+
+def dense_from_base(args, manifest, base, train: list[str], tok, steps: int) -> PathModel:
+    """Path-size dense: the base (path 0's modules, a dense model of one path) trained on."""
+    cfg = manifest.model
+    model = PathModel(cfg, (0,) * cfg.n_levels, modules=base_modules(cfg, base, base_module_ids(cfg)))
+    sim = SimConfig.from_manifest(manifest, batch_size=args.batch_size)
+    return DenseTrainer(sim, train, tok, steps, model=model, desc="dense").train(steps)
+
+
+def dense_all_params(args, manifest, train: list[str], tok, steps: int) -> PathModel:
+    shape = all_params_shape(manifest.model)
+    sim = SimConfig.from_manifest(manifest, batch_size=args.batch_size).model_copy(update={"model": shape})
+    model = PathModel(shape, (0,), seed=args.seed)
+    return DenseTrainer(sim, train, tok, steps, model=model, desc="dense all params").train(steps)
+
+
+def plot(out: Path, r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["composite (live swarm)", "dense (path size)", "dense (all params)"]
+    ppls = [r["composite_ppl"], r["dense_ppl"], r["dense_all_params_ppl"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bars = ax.bar(names, ppls, color=["#1f77b4", "#888888", "#555555"])
+    ax.bar_label(bars, labels=[f"{p:.3f}" for p in ppls])
+    ax.axhline(TARGET_RATIO * r["dense_ppl"], ls="--", color="red", lw=1, label=f"{TARGET_RATIO} x dense")
+    ax.set_ylabel("held-out perplexity (tokens after the first 32)")
+    ax.set_ylim(0, max(ppls) * 1.25)
+    ax.set_title(
+        f"{r['grid']} live swarm: {r['warm_start_steps']} base steps, then {r['steps_per_path']} per path"
+    )
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "met" if ratio <= target else "missed"
+
+
+def table(r: dict) -> str:
+    rows = [
+        "| model | params | batch-steps | held-out ppl | composite / this |",
+        "|---|---:|---:|---:|---:|",
+        f"| composite (live swarm, {r['grid']}) | {r['grid_params']:,} | {r['warm_start_steps']} + "
+        f"{r['paths']} × {r['steps_per_path']} | {r['composite_ppl']:.3f} | — |",
+        f"| dense, path size, from the base | {r['path_params']:,} | {r['warm_start_steps']} + "
+        f"{r['dense_steps']} | {r['dense_ppl']:.3f} | {r['ratio']:.3f} |",
+        f"| dense, all params, from scratch | {r['dense_all_params_params']:,} "
+        f"| {r['dense_all_params_steps']} | {r['dense_all_params_ppl']:.3f} | {r['ratio_all_params']:.3f} |",
+        "",
+        f"composite / dense: {r['ratio']:.3f} (target <= {TARGET_RATIO}: "
+        f"{verdict(r['ratio'], TARGET_RATIO)}); composite / dense all params: {r['ratio_all_params']:.3f} "
+        f"(target <= 1.0: {verdict(r['ratio_all_params'], 1.0)}); "
+        f"shared fraction {r['shared_fraction']:.2f}; routing balance {r['routing_balance']:.2f}x; "
+        f"swarm {r['swarm_seconds']:.0f} s, "
+        f"all {r['wall_seconds']:.0f} s",
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    folder = args.out / "run"
+    torch.manual_seed(args.seed)
+    manifest, base = create_run(args, folder)
+    ckpts, swarm_seconds = train_swarm(args, manifest, folder)
+
+    tok = ByteTokenizer()
+    checkpoints = read_checkpoints(manifest, ckpts)
+    grid = assemble_grid(manifest, checkpoints)
+    steps = path_steps(manifest, checkpoints)
+    route = make_route(manifest, base)
+    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
+    routed = route_documents(route, [encode_document(tok, d) for d in docs])
+    composite = evaluate(grid, docs, tok, route, context=manifest.seq_len, routed=routed)
+    counts = [routed.count(p) for p in range(manifest.model.n_paths)]
+
+    train = [d for d in load_documents(manifest.dataset) if split_of(d, manifest.dataset) == "train"]
+    per_path = max(steps.values())
+    dense = evaluate(dense_from_base(args, manifest, base, train, tok, per_path), docs, tok, route,
+                     context=manifest.seq_len, routed=routed)  # fmt: skip
+    all_steps = args.warm_start_steps + sum(steps.values())
+    big = dense_all_params(args, manifest, train, tok, all_steps)
+    dense_big = evaluate(big, docs, tok, route, context=manifest.seq_len, routed=routed)
+
+    n = manifest.model.n_paths
+    results = dict(
+        grid=args.grid,
+        paths=n,
+        data=args.data_files or f"built-in corpus ({args.builtin_docs} docs)",
+        warm_start_steps=args.warm_start_steps,
+        steps_per_path=per_path,
+        path_steps={str(p): s for p, s in steps.items()},
+        tokens=sum(steps.values()) * args.batch_size * args.seq_len,
+        composite_ppl=composite.ppl,
+        dense_ppl=dense.ppl,
+        dense_steps=per_path,
+        dense_all_params_ppl=dense_big.ppl,
+        dense_all_params_steps=all_steps,
+        dense_all_params_params=n_parameters(all_params_shape(manifest.model)),
+        grid_params=n_parameters(manifest.model),
+        path_params=sum(
+            p.numel() for p in PathModel(manifest.model, (0,) * manifest.model.n_levels).parameters()
+        ),
+        ratio=composite.ppl / dense.ppl,
+        ratio_all_params=composite.ppl / dense_big.ppl,
+        shared_fraction=shared_fraction(manifest.model),
+        routing_balance=max(counts) / max(1, min(counts)),
+        eval_docs=len(docs),
+        swarm_seconds=swarm_seconds,
+        wall_seconds=time.monotonic() - started,
+    )
+    (args.out / "swarm_quality.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(args.out / "swarm_quality.png", results)
+    text = table(results)
+    (args.out / "swarm_quality.md").write_text(text + "\n")
+    print(text)
+    assert math.isfinite(composite.ppl)
+    return results
+
+
+if __name__ == "__main__":
+    main()
