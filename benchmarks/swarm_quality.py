@@ -36,7 +36,7 @@ from peer.cli.local_swarm import LocalSwarm
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, SyncConfig
 from peer.data.batches import encode_document
 from peer.data.sources import eval_documents, load_documents, split_of
-from peer.model.base import base_module_ids, base_modules
+from peer.model.base import base_model
 from peer.model.grid import ModelConfig
 from peer.model.route import route_documents
 from peer.model.tokenizer import ByteTokenizer
@@ -125,8 +125,7 @@ def train_swarm(args: argparse.Namespace, manifest, folder: Path) -> tuple[list[
 
 def dense_from_base(args, manifest, base, train: list[str], tok, steps: int) -> PathModel:
     """Path-size dense: the base (path 0's modules, a dense model of one path) trained on."""
-    cfg = manifest.model
-    model = PathModel(cfg, (0,) * cfg.n_levels, modules=base_modules(cfg, base, base_module_ids(cfg)))
+    model = base_model(manifest.model, base)
     sim = SimConfig.from_manifest(manifest, batch_size=args.batch_size)
     return DenseTrainer(sim, train, tok, steps, model=model, desc="dense").train(steps)
 

@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 
 import hivemind
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from dht.records import read_records, store_record
 from dht.schema import ArtifactsRecord
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import ArtifactError, ArtifactStore
-from peer.background_loop import BackgroundLoop
+from peer.p2p_handler import P2PHandler
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +60,7 @@ class ArtifactService:
         self._published_at = 0.0
         self.chunks_served = 0
         self.chunks_fetched = 0
-        self._background = BackgroundLoop("artifacts")
-        self._p2p = self._background.call(self._start(dht), timeout=30)
-
-    async def _start(self, dht: hivemind.DHT) -> P2P:
-        # a replica of our own, as the dial-back service does (peer/swarm/reachability.py says why)
-        daemon = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
-        p2p = await P2P.replicate(daemon)
-        await p2p.add_protobuf_handler(HANDLER, self._serve, runtime_pb2.Tensor)
-        return p2p
+        self._handler = P2PHandler(dht, HANDLER, self._serve, "artifacts")
 
     # --- serving -------------------------------------------------------------------------------
 
@@ -113,12 +105,12 @@ class ArtifactService:
         if not sources:
             raise ArtifactError(f"{ref.name} ({ref.sha256[:12]}…): no peer offers it")
         budget = REQUEST_TIMEOUT_SECONDS * (ref.n_chunks + 2) * MAX_SOURCE_FAILURES + 60
-        return self._background.call(self._fetch(ref, sources, progress), budget)
+        return self._handler.call(self._fetch(ref, sources, progress), budget)
 
     async def _ask(self, source: str, request: dict, expected_bytes: int) -> bytes:
         message = runtime_pb2.Tensor(buffer=json.dumps(request).encode())
         peer = PeerID.from_base58(source)
-        call = self._p2p.call_protobuf_handler(peer, HANDLER, message, runtime_pb2.Tensor)
+        call = self._handler.p2p.call_protobuf_handler(peer, HANDLER, message, runtime_pb2.Tensor)
         reply = (await asyncio.wait_for(call, REQUEST_TIMEOUT_SECONDS)).buffer
         if len(reply) != expected_bytes:
             raise _BadChunk(f"sent {len(reply)} bytes where {expected_bytes} were due")
@@ -190,11 +182,7 @@ class ArtifactService:
         return path
 
     def shutdown(self) -> None:
-        async def cleanup():
-            await self._p2p.remove_protobuf_handler(HANDLER)
-            await self._p2p.shutdown()
-
-        self._background.stop(cleanup)
+        self._handler.shutdown()
 
 
 def providers(dht: hivemind.DHT, run_name: str, run_id: str, sha256: str) -> list[str]:

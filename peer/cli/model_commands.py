@@ -104,13 +104,10 @@ def _checkpoint_batch_size(ckpts, seq_len: int) -> int | None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from peer.data.batches import encode_document
-    from peer.data.sources import eval_documents, load_documents, split_of
-    from peer.model.base import base_modules
+    from peer.data.sources import eval_documents
     from peer.model.route import route_documents
-    from peer.model.transformer import PathModel
     from peer.offline.evaluation import evaluate
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
-    from peer.offline.simulate import DenseTrainer, SimConfig
     from peer.run.rebuild import check_tokenizer, make_route
 
     if args.max_docs is not None and args.max_docs < 1:
@@ -139,19 +136,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--baseline_steps must be >= 0")
     dense = None
     if steps:
-        batch_size = args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8
-        train = [t for t in load_documents(manifest.dataset) if split_of(t, manifest.dataset) == "train"]
-        cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
-        print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
-        # The peers' cosine runs over manifest.inner.total_steps; the baseline follows the same one.
-        # A warm-started run's paths all started from its base: so does the baseline (path 0 of the
-        # grid, as the base holds it, is a dense model of one path's size)
-        start = None
-        if base is not None:
-            path0 = (0,) * manifest.model.n_levels
-            start = PathModel(manifest.model, path0, modules=base_modules(manifest.model, base, list(base)))
-        trainer = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps), model=start)
-        model = trainer.train(steps)
+        model = _dense_baseline(
+            manifest,
+            base,
+            tok,
+            args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8,
+            steps,
+        )
         dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
 
     _print_table(manifest, result, dense, steps_per_path, shares)
@@ -180,6 +171,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def _dense_baseline(manifest, base, tok, batch_size: int, steps: int):
+    """The dense path-size baseline trained `steps` on the run's training documents. The peers' cosine
+    runs over manifest.inner.total_steps; the baseline follows the same one. A warm-started run's
+    paths all started from its base: so does the baseline."""
+    from peer.data.sources import load_documents, split_of
+    from peer.model.base import base_model
+    from peer.offline.simulate import DenseTrainer, SimConfig
+
+    train = [t for t in load_documents(manifest.dataset) if split_of(t, manifest.dataset) == "train"]
+    cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
+    print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
+    start = base_model(manifest.model, base) if base is not None else None
+    return DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps), model=start).train(steps)
 
 
 def _print_table(manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float]) -> None:

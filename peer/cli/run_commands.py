@@ -81,6 +81,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     from peer.offline.warm_start import make_base
     from peer.run.create import RunOptions, manifest_from_options
     from peer.run.record import save_record, sign_manifest
+    from peer.swarm.base_model import run_folder_store
     from peer.swarm.manifest import fetch_manifest, publish_record
 
     setup_logging()
@@ -91,7 +92,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         raise ConfigError(one_line(e)) from None
     # the base model, when there is one, goes beside the manifest: a node started with this
     # --manifest_path serves it to the peers (peer/artifacts/)
-    artifacts = Path(args.out).parent / "artifacts"
+    artifacts = run_folder_store(args.out).root
     manifest = manifest_from_options(
         options, lambda o, model, data, tok: make_base(o, model, data, tok, artifacts, InnerOptimizerConfig())
     )
@@ -103,8 +104,8 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     print(f"run {manifest.name} id {record.run_id}")
     print(f"manifest written to {args.out}; peers join with --run {manifest.name}@{record.run_id[:16]}")
     if manifest.base_checkpoint is not None:
-        ref, folder = manifest.base_checkpoint, Path(args.out).parent / "artifacts"
-        print(f"base model {ref.sha256[:12]}… written to {folder}: a node started with --manifest_path "
+        ref = manifest.base_checkpoint
+        print(f"base model {ref.sha256[:12]}… written to {artifacts}: a node started with --manifest_path "
               f"{args.out} serves it")  # fmt: skip
     if not args.no_publish and getattr(args, "initial_peers", None):
         dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity_file, client_mode=True)

@@ -184,9 +184,10 @@ def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
         return None
     from peer.artifacts.store import ArtifactStore
     from peer.artifacts.transfer import ArtifactService
+    from peer.swarm.base_model import run_folder_store
 
     ref = manifest.base_checkpoint
-    store = ArtifactStore(args.artifacts_dir or Path(args.manifest_path).parent / "artifacts")
+    store = ArtifactStore(args.artifacts_dir) if args.artifacts_dir else run_folder_store(args.manifest_path)
     if not store.has(ref):
         logger.warning(
             f"the run's base model {ref.sha256[:12]}… is not in {store.root}: this node does not serve it "

@@ -46,14 +46,6 @@ def source_of(module_id: str) -> str:
     return f"l{level.group(1)}m0"
 
 
-def states_of(model: PathModel) -> ModuleStates:
-    """Path 0's module states, as a base holds them."""
-    if model.path != (0,) * model.cfg.n_levels:
-        raise ValueError(f"a base is path 0 of the grid, not path {model.path}")
-    return {mid: {k: v.detach().float().cpu().clone() for k, v in model.parts[mid].state_dict().items()}
-            for mid in model.module_ids}  # fmt: skip
-
-
 def save_base(states: ModuleStates, file: Path) -> None:
     flat = {f"{mid}.{name}": t.contiguous() for mid, tensors in states.items() for name, t in tensors.items()}
     save_file(flat, str(file), metadata={"format": FORMAT})
@@ -95,6 +87,12 @@ def load_base(file: Path, cfg: ModelConfig) -> ModuleStates:
     except (OSError, safetensors.SafetensorError) as e:
         raise ConfigError(f"cannot read the base model {file}: {e}") from None
     return states
+
+
+def base_model(cfg: ModelConfig, base: ModuleStates) -> PathModel:
+    """Path 0 of the grid as the base holds it: a dense model of one path's size."""
+    path = (0,) * cfg.n_levels
+    return PathModel(cfg, path, modules=base_modules(cfg, base, path_module_ids(cfg, path)))
 
 
 def base_modules(cfg: ModelConfig, base: ModuleStates, module_ids: list[str]) -> dict[str, nn.Module]:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from peer.model.base import ModuleStates, base_modules
-from peer.model.grid import ModelConfig, path_module_ids
+from peer.model.base import ModuleStates, base_model
+from peer.model.grid import ModelConfig
 from peer.model.router import Router
 from peer.model.transformer import PathModel
 
@@ -61,9 +61,7 @@ def feature_model(cfg: ModelConfig, seed: int, base: ModuleStates | None = None)
     """Path 0 of a run as it starts: the run's base model when it has one (DiPaCo routes with the
     base's features), else the untrained model, whose weights follow from the run seed alone. Either
     way every peer rebuilds the identical feature extractor."""
-    path = (0,) * cfg.n_levels
-    modules = base_modules(cfg, base, path_module_ids(cfg, path)) if base is not None else None
-    model = PathModel(cfg, path, seed=seed, modules=modules)
+    model = base_model(cfg, base) if base is not None else PathModel(cfg, (0,) * cfg.n_levels, seed=seed)
     model.eval()
     return model
 

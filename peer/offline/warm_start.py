@@ -62,7 +62,7 @@ def make_base(
         f"trained the base model {o.warm_start_steps} steps on {len(docs)} documents "
         f"in {time.monotonic() - started:.0f}s"
     )
-    store._ensure_root()
+    artifacts_dir.mkdir(parents=True, exist_ok=True)  # the temporary file goes beside the store
     with tempfile.NamedTemporaryFile(dir=artifacts_dir, suffix=".safetensors") as tmp:
         save_base(base, Path(tmp.name))
         return base, store.add_file(Path(tmp.name), "base")

@@ -106,8 +106,8 @@ def base_on_disk(manifest: RunManifest, folders: list[Path]) -> ModuleStates | N
     if ref is None:
         return None
     for folder in folders:
-        if ArtifactStore(folder).path(ref.sha256).is_file():
-            path = ArtifactStore(folder).path(ref.sha256)
+        path = ArtifactStore(folder).path(ref.sha256)
+        if path.is_file():
             got, _ = describe_file(path, ref.name, ref.chunk_bytes)
             if got.sha256 != ref.sha256:
                 raise ConfigError(f"{path} is not the run's base model (its sha256 differs)")

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.node import visible_maddrs
-from peer.background_loop import BackgroundLoop
+from peer.p2p_handler import P2PHandler
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +70,7 @@ class DialBackService:
     """Serves dial-back requests and asks them, over a P2P replica on a background event loop."""
 
     def __init__(self, dht: hivemind.DHT):
-        self._background = BackgroundLoop("dialback")
-        self._p2p = self._background.call(self._start(dht), timeout=30)
-
-    async def _start(self, dht: hivemind.DHT):
-        # a replica of our own: `dht.replicate_p2p()` hands every caller in this process one cached
-        # replica, whose handler listener then lives on the first caller's event loop; a second loop
-        # adding handlers to it (the probe service's) hangs
-        daemon = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr)
-        p2p = await P2P.replicate(daemon)
-        await p2p.add_protobuf_handler(HANDLER, self._serve, runtime_pb2.Tensor)
-        return p2p
+        self._handler = P2PHandler(dht, HANDLER, self._serve, "dialback")
 
     @staticmethod
     async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
@@ -103,7 +93,7 @@ class DialBackService:
 
     async def _ask(self, helper: PeerID, addresses: list[str]) -> list[str]:
         request = runtime_pb2.Tensor(buffer=json.dumps(addresses[:MAX_DIAL_ADDRESSES]).encode())
-        reply = await self._p2p.call_protobuf_handler(helper, HANDLER, request, runtime_pb2.Tensor)
+        reply = await self._handler.p2p.call_protobuf_handler(helper, HANDLER, request, runtime_pb2.Tensor)
         return [str(a) for a in json.loads(reply.buffer.decode())]
 
     def check(
@@ -118,7 +108,7 @@ class DialBackService:
         answered = None
         for helper in [h for h in helpers if h != me]:
             try:
-                answered = self._background.call(
+                answered = self._handler.call(
                     self._ask(PeerID.from_base58(helper), direct),
                     DIAL_TIMEOUT_SECONDS * MAX_DIAL_ADDRESSES + 5,
                 )
@@ -147,11 +137,7 @@ class DialBackService:
         )
 
     def shutdown(self) -> None:
-        async def cleanup():
-            await self._p2p.remove_protobuf_handler(HANDLER)
-            await self._p2p.shutdown()
-
-        self._background.stop(cleanup)
+        self._handler.shutdown()
 
 
 def helpers_from(initial_peers: list[str]) -> list[str]:
