@@ -129,3 +129,10 @@ def test_an_artifact_offered_only_tampered_is_refused_in_one_line_and_never_stor
         c.fetch(other, [honest.peer_id], progress=False)
     with pytest.raises(ArtifactError, match="no peer offers it"):
         c.fetch(ref, [], progress=False)
+
+
+def test_a_reference_whose_chunk_list_cannot_travel_in_one_message_is_refused():
+    fields = dict(name="base", sha256="a" * 64, chunks_sha256="b" * 64)
+    assert ArtifactRef(size_bytes=64 << 30, chunk_bytes=1 << 20, **fields).n_chunks == 65536
+    with pytest.raises(ValueError, match="would not fit one message"):
+        ArtifactRef(size_bytes=1 << 30, chunk_bytes=4096, **fields)  # 262,144 chunks: an 8 MiB list

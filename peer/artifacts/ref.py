@@ -12,13 +12,15 @@ import hashlib
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_CHUNK_BYTES = 1 << 20
 #: p2pd carries one message of at most 4 MiB; a chunk and its framing stay well below
 MAX_CHUNK_BYTES = 2 << 20
 MAX_ARTIFACT_BYTES = 64 << 30
+#: the chunk list travels as one reply, which p2pd caps at 4 MiB a message
+MAX_CHUNK_LIST_BYTES = 2 << 20
 
 
 class ArtifactRef(BaseModel):
@@ -39,6 +41,14 @@ class ArtifactRef(BaseModel):
         if not _HEX64.match(v):
             raise ValueError("a sha256 is 64 lowercase hex characters")
         return v
+
+    @model_validator(mode="after")
+    def _chunk_list_fits(self) -> ArtifactRef:
+        if 32 * self.n_chunks > MAX_CHUNK_LIST_BYTES:
+            raise ValueError(
+                f"{self.n_chunks} chunks: the chunk list would not fit one message; use larger chunks"
+            )
+        return self
 
     @property
     def n_chunks(self) -> int:

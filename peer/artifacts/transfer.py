@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import time
 from collections import deque
 from pathlib import Path
@@ -44,6 +45,9 @@ REQUEST_TIMEOUT_SECONDS = 30.0
 MAX_SOURCE_FAILURES = 2
 #: below the callers' own one-minute loops, so that each of their passes re-publishes
 REPUBLISH_SECONDS = 50.0
+#: sources one download tries at most: anyone can publish an ArtifactsRecord, and a flood of
+#: records naming dead peers would otherwise cost one request timeout each
+MAX_SOURCES = 32
 
 
 class _BadChunk(Exception):
@@ -102,6 +106,8 @@ class ArtifactService:
         if self.store.has(ref):
             return self.store.path(ref.sha256)
         sources = [s for s in dict.fromkeys(sources) if s != self.peer_id]
+        if len(sources) > MAX_SOURCES:
+            sources = random.sample(sources, MAX_SOURCES)
         if not sources:
             raise ArtifactError(f"{ref.name} ({ref.sha256[:12]}…): no peer offers it")
         budget = REQUEST_TIMEOUT_SECONDS * (ref.n_chunks + 2) * MAX_SOURCE_FAILURES + 60
