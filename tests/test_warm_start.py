@@ -27,7 +27,8 @@ def _create(folder: Path, *extra: str) -> Path:
     out = folder / "manifest.json"
     args = ["run", "create", "--name", "warm", "--out", str(out), "--grid", "1x2", "--inner_steps", "10",
             "--seq_len", "32", "--no_publish", *extra]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "peer", *args], capture_output=True, text=True, cwd=REPO)
+    command = [sys.executable, "-m", "peer", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -94,7 +95,7 @@ def test_a_joiner_fetches_the_base_from_a_peer_that_is_not_its_creator_and_train
     proc = subprocess.run(
         [sys.executable, "-m", "peer", "eval", "--manifest_path", str(manifest_path), "--checkpoints",
          str(tmp_path / "a"), str(tmp_path / "b"), "--max_docs", "40", "--json", str(tmp_path / "eval.json")],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True, text=True, cwd=REPO, timeout=150,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
 
