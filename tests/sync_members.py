@@ -39,15 +39,18 @@ def sync_group(
     averaging_timeout: float = 10.0,
     report_timeout: float = 2.0,
     max_delta_norm: float = 0.0,
+    left: set[str] | None = None,
 ):
     """n members holding one module of one fragment of `numel` numbers; every member counts the
-    others as holders (the claim view's answer)."""
+    others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
+    leaving claims)."""
+    left = set() if left is None else left
     members: list[Member] = []
     try:
         for _ in range(n):
             dht, _ = dht_factory()
             c = make_codec(codec)
-            inbox = Inbox({MODULE: [numel]}, c, lambda peer, module: True, 32, max_delta_norm)
+            inbox = Inbox({MODULE: [numel]}, c, lambda peer, module: peer not in left, 32, max_delta_norm)
             service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30)
             settings = RoundSettings(averaging_timeout, report_timeout, AggregatorConfig(method=aggregator))
             members.append(Member(service, RoundRunner(service, c, settings)))

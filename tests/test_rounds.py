@@ -70,6 +70,29 @@ def test_a_member_that_never_sends_is_left_out_by_all_and_the_others_average(dht
     assert seconds < 6.0 + 2.0 + 3.0  # the averaging timeout, the report timeout, and slack
 
 
+def test_a_member_that_leaves_mid_round_is_not_waited_for_until_the_timeout(dht_factory):
+    # it took our outer gradients, then announced it is leaving without sending its own: the others
+    # see its claim go and end the round at once, not at the averaging timeout (a peer told to stop
+    # would otherwise wait that long too)
+    deltas, left = deltas_for(3, seed=5), set()
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=30.0, left=left) as members:
+        ids = [m.peer_id for m in members]
+        started = time.monotonic()
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members[:2], deltas, strict=False)
+        ]
+        time.sleep(2.0)
+        assert not any(f.done() for f in futures)  # still waiting for the third
+        left.add(ids[2])
+        results = [f.result(timeout=40) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"]
+    assert all(r.dropped == {ids[2]: "left (its claim is gone)"} for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert seconds < 2.0 + 2.0 + 3.0, seconds  # the wait before it left, the report timeout, slack
+
+
 def test_a_late_member_applies_the_average_the_others_agreed_on(dht_factory):
     deltas = deltas_for(3, seed=3)
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=3.0) as members:

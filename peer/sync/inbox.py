@@ -218,8 +218,11 @@ class Inbox:
         slot.reports[sender] = report
         slot.changed.set()
 
-    async def wait(self, key: Key, until: Callable[[_Slot], bool], deadline: float) -> bool:
-        """Waits until `until(slot)` holds or the loop's clock passes `deadline`."""
+    async def wait(
+        self, key: Key, until: Callable[[_Slot], bool], deadline: float, poll_seconds: float = 0.5
+    ) -> bool:
+        """Waits until `until(slot)` holds or the loop's clock passes `deadline`. `until` is asked
+        again at least every `poll_seconds`: it may depend on more than the slot (the claim view)."""
         loop = asyncio.get_running_loop()
         slot = self.slot(key)
         while not until(slot):
@@ -228,7 +231,7 @@ class Inbox:
                 return False
             slot.changed.clear()
             try:
-                await asyncio.wait_for(slot.changed.wait(), remaining)
+                await asyncio.wait_for(slot.changed.wait(), min(remaining, poll_seconds))
             except TimeoutError:
-                return until(slot)
+                pass
         return True

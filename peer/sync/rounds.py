@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 RETRY_SECONDS = 0.5
 
 
-#: why a member that our Δ did not reach is not waited for: it is gone, or already past this round
-GONE = ("unreachable", "ahead")
+#: a member that no longer claims the module (it left) while we waited for its Δ
+LEFT = "left (its claim is gone)"
+#: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
+GONE = ("unreachable", "ahead", LEFT)
 
 
 @dataclass
@@ -194,6 +196,12 @@ class RoundRunner:
                     sends.append(
                         asyncio.create_task(self._send(sender, frames, deadline, failed, inbox, key))
                     )
+            for m in others:
+                # a member whose claim went (it announced it is leaving, or its claim expired) after
+                # it took our Δ will not send its own: waiting for it would hold the round, and our
+                # own shutdown, until the averaging timeout
+                if m not in slot.deliveries and m not in failed and not inbox.is_holder(m, key[0]):
+                    failed[m] = LEFT
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
             return all(
