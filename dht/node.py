@@ -50,6 +50,37 @@ if not getattr(P2P._make_process_args, "pathswarm_static_relays", False):
     P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
 
 
+def _whole_requests(run):
+    """hivemind's DHT process, reading its requests from a blocking pipe.
+
+    The DHT child watches its end of the request pipe with uvloop's `add_reader`, which makes the
+    socket non-blocking. A request larger than the socket's buffer (a manifest record with its router
+    and data shards, a big store) arrives in parts: the child reads the header, finds the rest not
+    there yet, fails with EAGAIN, and has lost the framing; its next read dies with "Ran out of
+    input" and the peer's DHT is gone. Measured: a 3 MiB store kills it every time on hivemind
+    1.1.12 (tests/test_dht_records.py). Readiness still comes from `add_reader`; the read itself
+    blocks until the whole request is there.
+    """
+
+    def patched(self) -> None:
+        pipe = self._inner_pipe
+        recv = pipe.recv
+
+        def blocking_recv():
+            os.set_blocking(pipe.fileno(), True)
+            return recv()
+
+        pipe.recv = blocking_recv
+        run(self)
+
+    patched.pathswarm_whole_requests = True
+    return patched
+
+
+if not getattr(hivemind.DHT.run, "pathswarm_whole_requests", False):
+    hivemind.DHT.run = _whole_requests(hivemind.DHT.run)
+
+
 def check_maddrs(maddrs: Sequence[str], flag: str) -> list[str]:
     out = []
     for m in maddrs:

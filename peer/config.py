@@ -24,7 +24,7 @@ from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
-MANIFEST_FORMAT_VERSION = 4  # 4: base_checkpoint
+MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
 MIN_PIN_HEX = 16
 

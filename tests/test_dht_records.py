@@ -154,3 +154,28 @@ def test_fetch_manifest_pins_and_refuses_forgeries(dht_factory):
     assert by_b.run_id == second.run_id
     with pytest.raises(SwarmError):
         fetch_manifest(a, RUN, creator="ab" * 8, timeout_seconds=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_reaches_the_dht_process_in_parts_leaves_it_alive(dht_factory):
+    # hivemind's DHT child reads requests from a non-blocking pipe: without dht.node's fix, a request
+    # that arrives in parts (a big manifest record on a busy machine) kills the child. The parent's
+    # writes are slowed here so that every request arrives in parts.
+    dht, _ = dht_factory()
+    pipe = dht._outer_pipe
+    write = pipe._send
+
+    def slow_write(buf, write_=write):
+        half = len(buf) // 2
+        write_(bytes(buf[:half]))
+        time.sleep(0.3)
+        write_(bytes(buf[half:]))
+
+    pipe._send = slow_write
+    try:
+        dht.store("request-in-parts", b"x" * (1 << 20), get_dht_time() + 30, return_future=True).result(20)
+        assert dht.store("small-request", b"y", get_dht_time() + 30, return_future=True).result(20)
+    finally:
+        del pipe._send
+    assert dht.is_alive()
+    assert dht.get("small-request", latest=True).value == b"y"

@@ -114,13 +114,14 @@ def test_the_researchers_steps_run_as_written(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_real_swarm_steps_run_as_written(tmp_path):
     """ "Running a real swarm" as written: a bootstrap with its identity, `run create` publishing to it
-    (and reading it back), a volunteer joining by name and hash prefix until its first round, then
-    SIGTERM. Substituted: the ports (31337 and 9100 may be taken here: 0), the address and the hash
+    (and reading it back) with the data shared by hash, the researcher's peer serving it, a volunteer
+    joining by name and hash prefix (fetching the data) until its first round, then SIGTERM.
+    Substituted: the ports (31337 and 9100 may be taken here: 0), the address and the hash
     placeholders."""
     write_corpus(tmp_path / "corpus", 600, seed=4, fmt="txt", docs_per_file=300)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = readme_block("## Running a real swarm")
-    assert [c.split()[1] for c in commands] == ["bootstrap", "run", "peer"], commands
+    assert [c.split()[1] for c in commands] == ["bootstrap", "run", "peer", "peer"], commands
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.procs["bootstrap"] = _start(
             commands[0].replace("/tcp/31337", "/tcp/0"), tmp_path, "bootstrap", env
@@ -131,15 +132,20 @@ def test_the_real_swarm_steps_run_as_written(tmp_path):
                               timeout=240)  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         run_id = load_record(tmp_path / "myrun.json").run_id
-        peer = commands[2].replace("/ip4/…/p2p/…", address).replace("<hash prefix>", run_id[:16])
+        researcher = commands[2].replace("/ip4/…/p2p/…", address)
+        swarm.procs["researcher"] = _start(researcher, tmp_path, "researcher", env)
+        peer = commands[3].replace("/ip4/…/p2p/…", address).replace("<hash prefix>", run_id[:16])
         swarm.procs["peer"] = _start(
             peer.replace("--metrics_port 9100", "--metrics_port 0"), tmp_path, "peer", env
         )
         deadline = time.monotonic() + 180
-        while not re.search(r"round 1 step \d+ loss", _log(tmp_path, "peer")):
+        while not re.search(r"round \d+ step \d+ loss", _log(tmp_path, "peer")):
             assert swarm.alive("peer") and time.monotonic() < deadline, _log(tmp_path, "peer")[-3000:]
             time.sleep(0.5)
-        swarm.kill("peer", signal.SIGTERM)
-        assert swarm.wait("peer", timeout=60) == 0, _log(tmp_path, "peer")[-3000:]
+        for name in ("peer", "researcher"):
+            swarm.kill(name, signal.SIGTERM)
+            assert swarm.wait(name, timeout=60) == 0, _log(tmp_path, name)[-3000:]
     assert f"joined run myrun@{run_id[:16]}" in _log(tmp_path, "peer")
+    # the volunteer had no copy of the corpus: it trained on the shards the researcher's peer served
+    assert "fetching data shard" in _log(tmp_path, "peer") and "fetching" not in _log(tmp_path, "researcher")
     assert (tmp_path / "peer.id").exists() and (tmp_path / "bootstrap.id").exists()

@@ -184,7 +184,8 @@ class ArtifactService:
                 f"fetched; the partial file stays for a resume. Sources: {why}"
             )
         path = await asyncio.to_thread(self.store.complete, part, ref, b"".join(digests))
-        logger.info(f"{ref.name}: fetched {ref.size_bytes} bytes, sha256 {ref.sha256[:12]}… verified")
+        log = logger.info if progress else logger.debug  # many small shards: one line each is noise
+        log(f"{ref.name}: fetched {ref.size_bytes} bytes, sha256 {ref.sha256[:12]}… verified")
         return path
 
     def shutdown(self) -> None:

@@ -58,14 +58,20 @@ def register(subparsers) -> dict[str, Handler]:
     return {"eval": cmd_eval, "generate": cmd_generate, "export": cmd_export}
 
 
-def _run_base(manifest, args: argparse.Namespace):
-    """The run's base model from disk (None for a run without one): routing needs it."""
-    from peer.swarm.base_model import ARTIFACTS_SUBDIR, base_on_disk
+def _artifact_folders(args: argparse.Namespace) -> list[Path]:
+    """Where offline commands look for the run's artifacts (base model, data shards), in order."""
+    from peer.swarm.base_model import ARTIFACTS_SUBDIR
 
     folders = [args.artifacts_dir] if args.artifacts_dir else []
     folders.append(Path(args.manifest_path).parent / ARTIFACTS_SUBDIR)
-    folders += [Path(c) / ARTIFACTS_SUBDIR for c in args.checkpoints or []]
-    return base_on_disk(manifest, folders)
+    return folders + [Path(c) / ARTIFACTS_SUBDIR for c in args.checkpoints or []]
+
+
+def _run_base(manifest, args: argparse.Namespace):
+    """The run's base model from disk (None for a run without one): routing needs it."""
+    from peer.swarm.base_model import base_on_disk
+
+    return base_on_disk(manifest, _artifact_folders(args))
 
 
 def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -77,8 +83,8 @@ def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
         "--artifacts_dir",
         type=Path,
         default=None,
-        help="folder holding the run's base model, if it has one (default: beside the manifest, or a "
-        "checkpoint folder's artifacts/)",
+        help="folder holding the run's base model and data shards, if it has them (default: beside the "
+        "manifest, or a checkpoint folder's artifacts/)",
     )
     p.add_argument(
         "--allow_untrained",
@@ -118,7 +124,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tok = check_tokenizer(manifest)
     base = _run_base(manifest, args)
     route = make_route(manifest, base)
-    docs = eval_documents(manifest.dataset, limit=args.max_docs)
+    docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=_artifact_folders(args))
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
     # which paths the held-out documents go to, before the (long) scoring: an untrained one is refused
@@ -142,6 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             tok,
             args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8,
             steps,
+            _artifact_folders(args),
         )
         dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
 
@@ -173,7 +180,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dense_baseline(manifest, base, tok, batch_size: int, steps: int):
+def _dense_baseline(manifest, base, tok, batch_size: int, steps: int, shard_folders: list[Path]):
     """The dense path-size baseline trained `steps` on the run's training documents. The peers' cosine
     runs over manifest.inner.total_steps; the baseline follows the same one. A warm-started run's
     paths all started from its base: so does the baseline."""
@@ -181,7 +188,8 @@ def _dense_baseline(manifest, base, tok, batch_size: int, steps: int):
     from peer.model.base import base_model
     from peer.offline.simulate import DenseTrainer, SimConfig
 
-    train = [t for t in load_documents(manifest.dataset) if split_of(t, manifest.dataset) == "train"]
+    docs = load_documents(manifest.dataset, shard_folders=shard_folders)
+    train = [t for t in docs if split_of(t, manifest.dataset) == "train"]
     cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
     print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
     start = base_model(manifest.model, base) if base is not None else None

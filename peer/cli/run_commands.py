@@ -67,6 +67,12 @@ def register(subparsers) -> dict[str, Handler]:
         default=None,
         help="start every module from this base model instead (a safetensors file a run create wrote)",
     )
+    c.add_argument(
+        "--share_data",
+        action="store_true",
+        help="copy the --data_files beside the manifest, named by hash: nodes started with this "
+        "--manifest_path serve them and peers fetch them (no volunteer needs a copy or --data_root)",
+    )
     c.add_argument("--no_publish", action="store_true", help="only write the file")
     return {"run": cmd_run_create}
 
@@ -92,9 +98,12 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         raise ConfigError(one_line(e)) from None
     # the base model, when there is one, goes beside the manifest: a node started with this
     # --manifest_path serves it to the peers (peer/artifacts/)
-    artifacts = run_folder_store(args.out).root
+    store = run_folder_store(args.out)
+    artifacts = store.root
     manifest = manifest_from_options(
-        options, lambda o, model, data, tok: make_base(o, model, data, tok, artifacts, InnerOptimizerConfig())
+        options,
+        lambda o, model, data, tok: make_base(o, model, data, tok, artifacts, InnerOptimizerConfig()),
+        store,
     )
     # one key both signs the records and is the DHT node's identity: the node's signature validator
     # refuses records whose owner subkey names another key
@@ -107,6 +116,8 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         ref = manifest.base_checkpoint
         print(f"base model {ref.sha256[:12]}… written to {artifacts}: a node started with --manifest_path "
               f"{args.out} serves it")  # fmt: skip
+    if manifest.dataset.shards:
+        print(f"data: {len(manifest.dataset.shards)} shards written to {artifacts}, served the same way")
     if not args.no_publish and getattr(args, "initial_peers", None):
         dht, _ = start_dht(initial_peers=args.initial_peers, identity_path=identity_file, client_mode=True)
         try:

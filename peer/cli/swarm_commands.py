@@ -179,22 +179,33 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
-    """The artifact service serving the run's base model, when the node has it (else None)."""
-    if manifest is None or manifest.base_checkpoint is None:
+    """The artifact service serving the run's base model and data shards that the node has (else
+    None)."""
+    if manifest is None:
+        return None
+    refs = ([("base model", manifest.base_checkpoint)] if manifest.base_checkpoint is not None else []) + [
+        (f"data shard {r.name}", r) for r in manifest.dataset.shards
+    ]
+    if not refs:
         return None
     from peer.artifacts.store import ArtifactStore
     from peer.artifacts.transfer import ArtifactService
     from peer.swarm.base_model import run_folder_store
 
-    ref = manifest.base_checkpoint
     store = ArtifactStore(args.artifacts_dir) if args.artifacts_dir else run_folder_store(args.manifest_path)
-    if not store.has(ref):
-        logger.warning(
-            f"the run's base model {ref.sha256[:12]}… is not in {store.root}: this node does not serve it "
-            "(peers get it from others that do; give --artifacts_dir with the folder run create wrote)"
-        )
+    have = [(what, ref) for what, ref in refs if store.has(ref)]
+    for what, ref in refs:
+        if not store.has(ref):
+            logger.warning(
+                f"the run's {what} {ref.sha256[:12]}… is not in {store.root}: this node does not serve it "
+                "(peers get it from others that do; give --artifacts_dir with the folder run create wrote)"
+            )
+    if not have:
         return None
     service = ArtifactService(dht, store)
-    service.offer(ref)
-    logger.info(f"serving the run's base model {ref.sha256[:12]}… ({ref.size_bytes / 2**20:.1f} MiB)")
+    for _, ref in have:
+        service.offer(ref)
+    total = sum(ref.size_bytes for _, ref in have) / 2**20
+    logger.info(f"serving the run's {', '.join(what for what, _ in have[:3])}{'…' if len(have) > 3 else ''} "
+                f"({len(have)} artifacts, {total:.1f} MiB)")  # fmt: skip
     return service

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import glob
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from peer.artifacts.ref import ArtifactRef
 from peer.data.corpus import generate_documents
 from peer.errors import ConfigError
+
+#: a manifest names at most this many shards (each reference is about 300 bytes of the manifest)
+MAX_SHARDS = 4096
 
 
 class DatasetSpec(BaseModel):
@@ -26,6 +30,9 @@ class DatasetSpec(BaseModel):
 
     kind: Literal["builtin", "text", "json", "parquet", "hub"] = "builtin"
     data_files: list[str] = []
+    #: the run's local files by content hash, in order: served over P2P like its base model, so a
+    #: volunteer needs no copy of its own (`run create --share_data`); replaces data_files
+    shards: list[ArtifactRef] = Field(default_factory=list, max_length=MAX_SHARDS)
     name: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -36,10 +43,16 @@ class DatasetSpec(BaseModel):
     @model_validator(mode="after")
     def _check_source(self) -> DatasetSpec:
         local = self.kind in ("text", "json", "parquet")
-        if local and not self.data_files:
+        if local and not self.data_files and not self.shards:
             raise ValueError(f"dataset kind {self.kind!r} needs data_files (one or more paths or globs)")
-        if not local and self.data_files:
-            raise ValueError(f"data_files is only used with kind text/json/parquet, not {self.kind!r}")
+        if not local and (self.data_files or self.shards):
+            raise ValueError(
+                f"data_files and shards are only used with kind text/json/parquet, not {self.kind!r}"
+            )
+        if self.data_files and self.shards:
+            raise ValueError(
+                "a dataset names its files either by path (data_files) or by hash (shards), not both"
+            )
         if self.kind == "hub" and not self.name:
             raise ValueError("dataset kind 'hub' needs a dataset name, e.g. name='HuggingFaceFW/fineweb-edu'")
         if self.kind != "hub" and self.name is not None:
@@ -60,10 +73,38 @@ def _expand(patterns: list[str]) -> list[str]:
     return files
 
 
-def local_files(spec: DatasetSpec, root: Path | None = None) -> list[str]:
-    """The local files a spec names, checked to exist. With `root` (a manifest from the swarm: a
-    stranger chose these patterns), patterns must be relative, stay inside `root`, and are resolved
-    under it, so a run cannot make a volunteer train on files elsewhere on their disk."""
+def shard_files(spec: DatasetSpec, folders: Sequence[Path]) -> list[str]:
+    """The run's shards as files, in the manifest's order, from the first of `folders` (artifact
+    folders: a peer's own, the run folder) that holds each. What a peer fetched was checked chunk by
+    chunk against the manifest's hashes; a local file is matched by its size, not hashed again."""
+    out = []
+    for ref in spec.shards:
+        found = [Path(f) / ref.sha256 for f in folders if _has_shard(Path(f), ref)]
+        if not found:
+            raise ConfigError(
+                f"the run's data shard {ref.name} ({ref.sha256[:12]}…) is in none of "
+                f"{[str(f) for f in folders]}: "
+                "pass --artifacts_dir with the folder that holds it (run create writes the shards beside the "
+                "manifest; every peer keeps a copy in CHECKPOINT_DIR/artifacts)"
+            )
+        out.append(str(found[0]))
+    return out
+
+
+def _has_shard(folder: Path, ref: ArtifactRef) -> bool:
+    try:
+        return (folder / ref.sha256).stat().st_size == ref.size_bytes
+    except OSError:
+        return False
+
+
+def local_files(spec: DatasetSpec, root: Path | None = None, shard_folders: Sequence[Path] = ()) -> list[str]:
+    """The local files a spec names, checked to exist. A spec with shards names them by hash: they are
+    looked up in `shard_folders`. With `root` (a manifest from the swarm: a stranger chose these
+    patterns), patterns must be relative, stay inside `root`, and are resolved under it, so a run
+    cannot make a volunteer train on files elsewhere on their disk."""
+    if spec.shards:
+        return shard_files(spec, shard_folders)
     if root is None:
         return _expand(spec.data_files)
     base = Path(root).expanduser().resolve()
@@ -80,11 +121,14 @@ def local_files(spec: DatasetSpec, root: Path | None = None) -> list[str]:
 
 
 def load_documents(
-    spec: DatasetSpec, cache_dir: str | None = None, root: Path | None = None
+    spec: DatasetSpec,
+    cache_dir: str | None = None,
+    root: Path | None = None,
+    shard_folders: Sequence[Path] = (),
 ) -> Iterable[str]:
     """The documents of the spec as strings, in a fixed order. Local files are checked and loaded
     right away (errors surface here, not at the first batch); a hub dataset is streamed lazily.
-    `root`: see `local_files`."""
+    `root` and `shard_folders`: see `local_files`."""
     import datasets  # heavy import, kept off the path of modules that only need DatasetSpec
 
     if spec.kind == "builtin":
@@ -93,7 +137,7 @@ def load_documents(
     if spec.kind == "hub":
         ds = datasets.load_dataset(spec.name, split=spec.split, streaming=True, cache_dir=cache_dir)
         return _texts(ds, spec.text_field)
-    files = local_files(spec, root)
+    files = local_files(spec, root, shard_folders)
     if not files:
         raise ConfigError(f"data_files {spec.data_files} match only folders, no files")
     ds = datasets.load_dataset(spec.kind, data_files=files, split="train", cache_dir=cache_dir)
@@ -125,11 +169,16 @@ def split_of(text: str, spec: DatasetSpec | float) -> Literal["train", "eval"]:
     return "eval" if int.from_bytes(digest[:8], "big") < fraction * 2**64 else "train"
 
 
-def eval_documents(spec: DatasetSpec, limit: int | None = None, cache_dir: str | None = None) -> list[str]:
+def eval_documents(
+    spec: DatasetSpec,
+    limit: int | None = None,
+    cache_dir: str | None = None,
+    shard_folders: Sequence[Path] = (),
+) -> list[str]:
     out: list[str] = []
     if limit is not None and limit <= 0:
         return out
-    for text in load_documents(spec, cache_dir=cache_dir):
+    for text in load_documents(spec, cache_dir=cache_dir, shard_folders=shard_folders):
         if split_of(text, spec) == "eval":
             out.append(text)
             if limit is not None and len(out) >= limit:

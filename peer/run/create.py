@@ -14,13 +14,16 @@ import logging
 import time
 from collections.abc import Callable
 from itertools import islice
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm import tqdm
 
 from peer.artifacts.ref import ArtifactRef
+from peer.artifacts.store import ArtifactStore
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
 from peer.data.batches import encode_document
-from peer.data.sources import DatasetSpec, load_documents, split_of
+from peer.data.sources import DatasetSpec, load_documents, local_files, split_of
 from peer.errors import ConfigError
 from peer.model.base import ModuleStates
 from peer.model.grid import ModelConfig, model_config_from_preset
@@ -56,6 +59,7 @@ class RunOptions(BaseModel):
     warm_start_steps: int = Field(0, ge=0)
     warm_start_batch_size: int = Field(16, ge=1)
     base_checkpoint: str | None = None
+    share_data: bool = False
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -71,9 +75,29 @@ def parse_grid(text: str) -> tuple[int, int]:
 BaseMaker = Callable[[RunOptions, ModelConfig, DatasetSpec, Tokenizer], tuple[ModuleStates, ArtifactRef]]
 
 
-def manifest_from_options(options: RunOptions, base_maker: BaseMaker | None = None) -> RunManifest:
+def share_dataset(dataset: DatasetSpec, store: ArtifactStore) -> DatasetSpec:
+    """The dataset with its local files copied into `store` and named by hash, in the same order:
+    peers fetch them from whoever serves the run (`--share_data`) instead of needing a copy."""
+    if dataset.kind not in ("text", "json", "parquet"):
+        raise ConfigError(f"--share_data shares local files; a {dataset.kind!r} dataset has none")
+    files = local_files(dataset)
+    refs = []
+    for i, file in enumerate(tqdm(files, desc="data shards", unit="file", disable=len(files) < 20)):
+        refs.append(store.add_file(Path(file), f"{i:05d}-{Path(file).name}"[:128]))
+    total = sum(r.size_bytes for r in refs)
+    logger.info(f"the run's data: {len(refs)} shards, {total / 2**20:.1f} MiB, named by hash in {store.root}")
+    try:
+        return DatasetSpec(**{**dataset.model_dump(), "data_files": [], "shards": refs})
+    except ValidationError as e:
+        raise ConfigError(f"--share_data: {one_line(e)}") from None
+
+
+def manifest_from_options(
+    options: RunOptions, base_maker: BaseMaker | None = None, store: ArtifactStore | None = None
+) -> RunManifest:
     """Model shape from the preset and grid, the dataset spec and sync settings, the base model (if
-    asked for, from `base_maker`: `peer.offline.warm_start.make_base`), then the router."""
+    asked for, from `base_maker`: `peer.offline.warm_start.make_base`), then the router; with
+    `--share_data`, the data files go into `store` (the run folder's artifacts) by hash."""
     o = options
     levels, k = parse_grid(o.grid)
     tok = load_tokenizer(o.tokenizer)
@@ -101,10 +125,15 @@ def manifest_from_options(options: RunOptions, base_maker: BaseMaker | None = No
         if base_maker is None:
             raise ConfigError("this caller cannot make a base model")
         base, base_ref = base_maker(o, model, dataset, tok)
-    return build_manifest(
+    if o.share_data and store is None:
+        raise ConfigError("this caller cannot share the run's data")
+    shared = share_dataset(dataset, store) if o.share_data else None
+    manifest = build_manifest(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
         tokenizer=o.tokenizer, base=base, base_ref=base_ref,
     )  # fmt: skip
+    # the router and base were fitted on the same files, read by path
+    return manifest if shared is None else manifest.model_copy(update={"dataset": shared})
 
 
 def build_manifest(

@@ -1,8 +1,9 @@
-"""Getting a run's base model: from a local copy, or by hash from the peers that serve it.
+"""Getting a run's artifacts (its base model, its data shards): from a local copy, or by hash from
+the peers that serve them.
 
 A peer looks in its own artifact folder first, then beside the manifest it was given (where
-`pathswarm run create` writes the base), then asks the DHT who serves it and fetches it
-(peer/artifacts/transfer.py). Whatever it got, it then serves too, so the run's base outlives its
+`pathswarm run create` writes them), then asks the DHT who serves each and fetches it
+(peer/artifacts/transfer.py). Whatever it got, it then serves too, so a run's artifacts outlive its
 creator. Offline commands (eval, generate, the demo's check) only look on disk.
 """
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import hivemind
+from tqdm import tqdm
 
 from peer.artifacts.ref import ArtifactRef, describe_file
 from peer.artifacts.store import ArtifactError, ArtifactStore
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 #: how long a peer looks for a source of the base before it gives up (a DHT record can lag a start)
 FIND_SOURCES_SECONDS = 60.0
 ARTIFACTS_SUBDIR = "artifacts"
+#: above this many data shards a peer logs one line and shows one progress bar for all of them
+MANY_SHARDS = 8
 
 
 def default_artifacts_dir(checkpoint_dir: Path | None) -> Path:
@@ -50,25 +54,28 @@ def _adopt(store: ArtifactStore, other: ArtifactStore | None, ref: ArtifactRef) 
     return True
 
 
-def obtain_base(
+def obtain_artifact(
     service: ArtifactService,
     dht: hivemind.DHT,
-    manifest: RunManifest,
-    run_id: str,
+    run: tuple[str, str],
+    ref: ArtifactRef,
     local: list[ArtifactStore | None],
+    what: str,
     progress: bool = True,
-) -> ModuleStates:
-    """The run's base model, checked against the manifest, and offered to other peers from now on."""
-    ref = manifest.base_checkpoint
-    assert ref is not None
+    quiet: bool = False,
+) -> Path:
+    """One of the run's artifacts (`what` names it in messages), from a local copy or fetched from
+    the peers that serve it, checked against the manifest's hashes; offered to other peers from now
+    on. `run`: (name, id)."""
     store = service.store
     if not store.has(ref) and not any(_adopt(store, other, ref) for other in local):
         deadline, last = time.monotonic() + FIND_SOURCES_SECONDS, "no peer offers it yet"
         while not store.has(ref):
-            sources = providers(dht, manifest.name, run_id, ref.sha256)
+            sources = providers(dht, run[0], run[1], ref.sha256)
             if sources:
                 mib = ref.size_bytes / 2**20
-                logger.info(f"fetching the run's base model ({mib:.1f} MiB) from {len(sources)} peer(s)")
+                log = logger.debug if quiet else logger.info
+                log(f"fetching {what} ({mib:.1f} MiB) from {len(sources)} peer(s)")
                 try:
                     service.fetch(ref, sources, progress)
                     break
@@ -76,22 +83,37 @@ def obtain_base(
                     last = str(e)
             if time.monotonic() > deadline:
                 raise ArtifactError(
-                    f"could not get the run's base model {ref.sha256[:12]}… ({last}); it is served by any "
-                    "node started with the run's --manifest_path and the artifacts folder beside it"
+                    f"could not get {what} {ref.sha256[:12]}… ({last}); it is served by any node started "
+                    "with the run's --manifest_path and the artifacts folder beside it"
                 )
             time.sleep(3.0)
     service.offer(ref)
-    return load_base(store.path(ref.sha256), manifest.model)
+    return store.path(ref.sha256)
 
 
-def start_base_service(
+def start_artifact_service(
     dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str
-) -> tuple[ArtifactService, ModuleStates]:
-    """A peer's artifact service with the run's base model in it, offered and published."""
+) -> tuple[ArtifactService, ModuleStates | None]:
+    """A peer's artifact service with the run's base model (returned, loaded) and data shards in it,
+    each fetched if need be, offered and published."""
     store = ArtifactStore(config.artifacts_dir or default_artifacts_dir(config.checkpoint_dir))
     service = ArtifactService(dht, store)
+    local = [run_folder_store(config.manifest_path)]
+    run = (manifest.name, run_id)
     try:
-        base = obtain_base(service, dht, manifest, run_id, [run_folder_store(config.manifest_path)])
+        base = None
+        if manifest.base_checkpoint is not None:
+            path = obtain_artifact(service, dht, run, manifest.base_checkpoint, local, "the run's base model")
+            base = load_base(path, manifest.model)
+        shards = manifest.dataset.shards
+        many = len(shards) > MANY_SHARDS  # one line and one progress bar, not one per shard
+        if many:
+            missing = [r for r in shards if not store.has(r)]
+            mib = sum(r.size_bytes for r in missing) / 2**20
+            logger.info(f"the run's data: {len(shards)} shards, {len(missing)} to get ({mib:.1f} MiB)")
+        for i, ref in enumerate(tqdm(shards, desc="data shards", unit="shard", disable=not many)):
+            what = f"data shard {i + 1}/{len(shards)} ({ref.name})"
+            obtain_artifact(service, dht, run, ref, local, what, progress=not many, quiet=many)
         service.publish(dht, key, config.run_name, run_id)
     except BaseException:
         service.shutdown()

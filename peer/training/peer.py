@@ -38,7 +38,7 @@ from peer.model.transformer import PathModel
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
-from peer.swarm.base_model import start_base_service
+from peer.swarm.base_model import start_artifact_service
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.reachability import DialBackService, helpers_from
@@ -116,7 +116,7 @@ class Peer(PathRotation):
         check_memory(self.manifest, cfg, self.device)
         self.tokenizer = check_tokenizer(self.manifest)
         self._data_root = check_data(self.manifest, cfg)
-        self.base = self._obtain_base()
+        self.base = self._obtain_artifacts()
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
@@ -169,11 +169,13 @@ class Peer(PathRotation):
         publish_record(self.dht, self.key, record)
         return manifest, record
 
-    def _obtain_base(self) -> ModuleStates | None:
-        """The run's base model (None if it has none), fetched if need be and served from now on."""
-        if self.manifest.base_checkpoint is None:
+    def _obtain_artifacts(self) -> ModuleStates | None:
+        """The run's base model (None if it has none) and data shards, fetched if need be and served
+        from now on."""
+        m = self.manifest
+        if m.base_checkpoint is None and not m.dataset.shards:
             return None
-        self.artifacts, base = start_base_service(self.dht, self.key, self.config, self.manifest, self.run_id)
+        self.artifacts, base = start_artifact_service(self.dht, self.key, self.config, m, self.run_id)
         return base
 
     def _load_checkpoint(self):
@@ -232,7 +234,11 @@ class Peer(PathRotation):
     def _start_data(self) -> None:
         m = self.manifest
         batches = PathBatches(
-            load_documents(m.dataset, root=self._data_root),
+            load_documents(
+                m.dataset,
+                root=self._data_root,
+                shard_folders=[self.artifacts.store.root] if self.artifacts is not None else [],
+            ),
             make_route(m, self.base),
             path_index(m.model, self.path),
             self.tokenizer,

@@ -33,7 +33,7 @@ def check_data(manifest: RunManifest, cfg: PeerConfig) -> Path | None:
     under. A run from the swarm that names local files is read only under --data_root (a stranger
     chose its patterns)."""
     spec = manifest.dataset
-    if spec.kind in ("text", "json", "parquet"):
+    if spec.kind in ("text", "json", "parquet") and not spec.shards:  # shards are fetched by hash
         if cfg.manifest_path is None and cfg.data_root is None:
             raise ConfigError(
                 f"run {cfg.run_name} trains on local files {spec.data_files}: every peer needs a copy; "
