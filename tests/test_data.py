@@ -142,7 +142,7 @@ def test_corpus_identical_across_processes(tmp_path):
         ({"kind": "json", "data_files": ["x.json"], "name": "a/b"}, "only used with kind 'hub'"),
         ({"eval_fraction": 1.0}, "less than 1"),
         ({"kind": "csv"}, "Input should be"),
-        ({"shards": 3}, "Extra inputs are not permitted"),
+        ({"partitions": 3}, "Extra inputs are not permitted"),
     ],
 )
 def test_dataset_spec_errors(kwargs, message):

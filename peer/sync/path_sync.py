@@ -30,7 +30,7 @@ from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
-from peer.sync.rounds import RoundResult, RoundRunner, RoundSettings
+from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
 from peer.sync.state_transfer import StateHistory, fetch_confirmed, install_state_handlers
 from peer.sync.wire import Kind
@@ -173,7 +173,12 @@ class PathSync:
             result.bad_parts = {r: n for r, n in refused.items() if r in HOSTILE_REASONS}
         level, mid = settle(ms, result), ms.module_id
         if result.dropped:
-            logger.log(level, f"{mid} fragment {fragment}: left out of the average: {result.dropped}")
+            # a member that announced it is leaving is an expected absence, not a fault
+            gone = all(why == LEFT for why in result.dropped.values())
+            logger.log(
+                logging.INFO if gone else level,
+                f"{mid} fragment {fragment}: left out of the average: {result.dropped}",
+            )
         if result.repair_from:
             why = "just after joining, as expected" if level == logging.INFO else "it drifted"
             logger.log(level, f"{mid}: our copy differs from the one the group keeps ({why}); repairing it")

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 class PathRotation:
     """The rotation half of `Peer`: deciding at a round's end, and moving to another path."""
 
+    #: "no keeper took our modules" said once at WARNING: in a run without a keeper it holds every time
+    _warned_unkept: bool = False
+
     def _rotation_due(self) -> Rotation | None:
         """Our move, if the swarm's rotation at the end of this round moves us (see
         peer/swarm/rotation.py; every peer computes it, only the mover acts)."""
@@ -55,9 +58,12 @@ class PathRotation:
         dropped = [mid for mid in self.model.module_ids if mid not in path_module_ids(cfg, new_path)]
         unkept = self._hand_over(self.membership.modules_only_we_hold(dropped))
         if unkept:
-            logger.warning(
+            level = logging.INFO if self._warned_unkept else logging.WARNING
+            self._warned_unkept = True
+            logger.log(
+                level,
                 f"not rotating: we are the last holder of {', '.join(unkept)} and no keeper took it "
-                "(a keeper: pathswarm bootstrap --keep_state DIR)"
+                "(a keeper: pathswarm bootstrap --keep_state DIR)",
             )
             return
         old_model, old_sync = self.model, self.sync
