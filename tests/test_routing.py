@@ -15,7 +15,7 @@ from peer.data.batches import encode_document, shard_documents
 from peer.data.corpus import generate_documents
 from peer.model.grid import ModelConfig, all_paths, path_index
 from peer.model.route import prefix_features, route_function
-from peer.model.router import Router, balance_bias, discriminative_relabel, fit_router
+from peer.model.router import Router, balance_bias, discriminative_relabel, fit_router, rebalance, share_ratio
 from peer.model.tokenizer import ByteTokenizer
 from peer.model.transformer import PathModel
 
@@ -198,3 +198,16 @@ def test_discriminative_relabel():
     assert torch.equal(Router.from_json(linear.to_json()).route(feats), routed)
     with pytest.raises(ValueError, match="path_losses"):
         discriminative_relabel(router, feats, losses[:, :3])
+
+
+def test_a_router_rebalanced_on_held_out_documents_keeps_both_sets_within_1_5x():
+    feats = builtin_features()
+    router = fit_router(feats[:1000], CFG.n_levels, CFG.modules_per_level, seed=0)
+    # held-out documents that lean towards one path: balanced on the training ones alone, that path
+    # takes about twice its share of them
+    held = feats[1000:]
+    lean = torch.bincount(router.route(held), minlength=4).argmax()
+    held = torch.cat([held[:180], held[180:][router.route(held[180:]) == lean][:40]])
+    assert share_ratio(router, held) > 1.8
+    balanced = rebalance(router, [feats[:1000], held])
+    assert share_ratio(balanced, held) <= 1.5 and share_ratio(balanced, feats[:1000]) <= 1.5

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Literal
 
 import torch
@@ -153,33 +154,55 @@ class Router(BaseModel):
 
 
 def balance_bias(
-    scores: torch.Tensor, tolerance: float = 0.05, iters: int = 500, init: torch.Tensor | None = None
+    scores: torch.Tensor | list[torch.Tensor],
+    tolerance: float = 0.05,
+    iters: int = 500,
+    init: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-column bias b so that argmax(scores + b) sends about n / k rows to each of the k columns.
 
     b is the dual of a capacity-constrained assignment, found by a damped ascent: an over-full column
-    loses score, an under-full one gains. Returns the bias with the smallest worst relative deviation
-    seen (stopping once it is within `tolerance`); deterministic for given inputs.
+    loses score, an under-full one gains. Given several score matrices (the fit's training documents
+    and the run's held-out ones), it balances each of them: the ascent follows their mean excess and
+    the bias kept is the one whose worst deviation over all of them is smallest. Returns the bias
+    with the smallest worst relative deviation seen (stopping once it is within `tolerance`);
+    deterministic for given inputs.
     """
-    n, k = scores.shape
+    sets = [scores] if isinstance(scores, torch.Tensor) else [s for s in scores if len(s)]
+    k = sets[0].shape[1] if sets else 0
     bias = torch.zeros(k, dtype=torch.float64) if init is None else init.clone().to(torch.float64)
-    if n == 0 or k == 1:
+    if not sets or k == 1:
         return bias
     # Step in units of a typical gap between the best and second-best score.
-    top2 = scores.topk(2, dim=1).values
+    top2 = torch.cat(sets).topk(2, dim=1).values
     step = float((top2[:, 0] - top2[:, 1]).median().clamp(min=1e-6)) * 2.0
     best, best_dev = bias.clone(), float("inf")
     for _ in range(iters):
-        counts = torch.bincount((scores + bias).argmax(1), minlength=k).to(torch.float64)
-        share = counts * k / n  # 1.0 is a perfectly even split
-        dev = float((share - 1).abs().max())
+        # 1.0 is a perfectly even split
+        shares = [
+            torch.bincount((s + bias).argmax(1), minlength=k).to(torch.float64) * k / len(s) for s in sets
+        ]
+        dev = max(float((share - 1).abs().max()) for share in shares)
         if dev < best_dev:
             best, best_dev = bias.clone(), dev
         if dev <= tolerance:
             break
-        bias = bias - step * (share - 1).clamp(-1, 1)
+        bias = bias - step * (torch.stack(shares).mean(0) - 1).clamp(-1, 1)
         step *= 0.98
     return best - best.mean()
+
+
+def share_ratio(router: Router, features: torch.Tensor) -> float:
+    """The largest path's share of these documents over the smallest's (inf if a path gets none)."""
+    counts = torch.bincount(router.route(features), minlength=router.n_paths)
+    return float(counts.max() / counts.min()) if int(counts.min()) > 0 else math.inf
+
+
+def rebalance(router: Router, sets: list[torch.Tensor], tolerance: float = 0.05) -> Router:
+    """The router with biases that balance each of these sets of prefix features at once."""
+    scores = [router.base_scores(f) for f in sets if len(f)]
+    bias = balance_bias(scores, tolerance, init=torch.tensor(router.bias, dtype=torch.float64))
+    return Router.model_validate({**router.model_dump(), "bias": bias.tolist()})
 
 
 def _kmeans_pp(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
