@@ -274,7 +274,9 @@ class RoundRunner:
             if m in agreed:
                 continue
             if m not in received:
-                dropped[m] = failed.get(m, "missing")
+                # unreachable or missing because it has left since: say so (an expected absence)
+                gone = not self.service.inbox.is_holder(m, key[0])
+                dropped[m] = LEFT if gone else failed.get(m, "missing")
             else:
                 dropped[m] = "disputed (not every member received the same)"
         if not agreed:  # every delivery disputed: nothing the group agrees on, go on with our own
