@@ -24,7 +24,7 @@ from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
-MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards
+MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards, tokenizer_file
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
 MIN_PIN_HEX = 16
 
@@ -133,6 +133,9 @@ class RunManifest(_Frozen):
     dataset: DatasetSpec = DatasetSpec()
     tokenizer: str = "bytes"
     tokenizer_fingerprint: str = ""
+    #: a tokenizer file (not "bytes"), fetched by hash like the base model: no volunteer needs the
+    #: file at the creator's path
+    tokenizer_file: ArtifactRef | None = None
     router: dict[str, Any] = Field(default_factory=dict)
     #: the dense base model every module starts from and the router's features come from
     #: (peer/model/base.py), fetched by hash from the peers that serve it (peer/artifacts/)

@@ -1,6 +1,7 @@
-"""A run's data shared by hash: `run create --share_data` copies the local files beside the manifest,
-a node started with that manifest serves them, and a peer with no copy (no --data_root, the
-originals gone) fetches them, checks them and trains on the same documents; eval finds them too."""
+"""A run's data and tokenizer shared by hash: `run create --share_data` copies the local files beside
+the manifest (a tokenizer file always goes there), a node started with that manifest serves them, and
+a peer with no copy (no --data_root, the originals gone) fetches them, checks them and trains on the
+same documents; eval finds them too."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from peer.data.sources import DatasetSpec, load_documents, local_files, shard_fi
 from peer.errors import ConfigError
 from peer.run.record import load_verified_manifest
 from tests.swarm_harness import wait_for
+from tests.test_data import _train_file_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,17 +77,23 @@ def test_a_spec_names_its_files_by_path_or_by_hash_and_a_missing_shard_is_named(
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_without_the_files_fetches_the_runs_shards_and_trains_on_them(tmp_path):
+def test_a_peer_without_the_files_fetches_the_runs_shards_and_tokenizer_and_trains_on_them(tmp_path):
     corpus = tmp_path / "corpus"
     files = _corpus(corpus)
-    manifest_path = _create(tmp_path / "run", corpus, "--share_data")
+    (tmp_path / "tok").mkdir()
+    _train_file_tokenizer(tmp_path / "tok" / "tokenizer.json", ["<s>", "</s>", "<pad>"])
+    manifest_path = _create(
+        tmp_path / "run", corpus, "--share_data", "--tokenizer", str(tmp_path / "tok" / "tokenizer.json")
+    )
     manifest, record = load_verified_manifest(manifest_path)
     spec = manifest.dataset
     assert spec.data_files == [] and [r.name for r in spec.shards] == [
         f"{i:05d}-part{i}.txt" for i in range(3)
     ]
+    assert manifest.tokenizer_file is not None
     originals = {describe_file(f, f.name)[0].sha256: f.read_bytes() for f in files}
-    shutil.rmtree(corpus)  # nobody has the files by path any more
+    shutil.rmtree(corpus)  # nobody has the files or the tokenizer by path any more
+    shutil.rmtree(tmp_path / "tok")
     common = ["--torch_threads", "1", "--batch_size", "4", "--heartbeat_seconds", "1"]
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(manifest_path)])
@@ -98,9 +106,10 @@ def test_a_peer_without_the_files_fetches_the_runs_shards_and_trains_on_them(tmp
             wait_for(lambda n=name: not swarm.alive(n), 180, f"peer {name}'s two rounds", swarm)
             assert swarm.wait(name, timeout=10) == 0, swarm.log_path(name).read_text()[-3000:]
         boot_log, *logs = (swarm.log_path(n).read_text() for n in ("bootstrap", "a", "b"))
-    assert "3 artifacts" in boot_log, boot_log[-2000:]
+    assert "4 artifacts" in boot_log, boot_log[-2000:]
     for name, log in zip("ab", logs, strict=True):
         assert log.count("fetching data shard") == 3 and "round 2 step" in log, log[-3000:]
+        assert "fetching the run's tokenizer" in log, log[-3000:]
         for ref in spec.shards:
             assert (tmp_path / name / "artifacts" / ref.sha256).read_bytes() == originals[ref.sha256]
     # eval reads the held-out documents from the shards (here: the peer's copies)

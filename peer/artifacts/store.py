@@ -21,6 +21,20 @@ from peer.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 
+def find_artifact(ref: ArtifactRef, folders) -> Path | None:
+    """The first of `folders` (artifact folders: a peer's own, the run folder) holding `ref`'s file.
+    What a peer fetched was checked chunk by chunk against the manifest's hashes; a local file is
+    matched by its size, not hashed again."""
+    for folder in folders:
+        path = Path(folder) / ref.sha256
+        try:
+            if path.stat().st_size == ref.size_bytes:
+                return path
+        except OSError:
+            continue
+    return None
+
+
 class ArtifactError(SwarmError):
     """An artifact that cannot be had: no source, every source wrong, or no room on disk."""
 

@@ -121,7 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest_path)
     ckpts = read_checkpoints(manifest, args.checkpoints)
     grid = assemble_grid(manifest, ckpts)
-    tok = check_tokenizer(manifest)
+    tok = check_tokenizer(manifest, _artifact_folders(args))
     base = _run_base(manifest, args)
     route = make_route(manifest, base)
     docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=_artifact_folders(args))
@@ -254,7 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.manifest_path is None or not args.checkpoints:
             raise ConfigError("give --manifest_path and --checkpoints, or --exported")
         manifest = load_manifest(args.manifest_path)
-        tok = check_tokenizer(manifest)
+        tok = check_tokenizer(manifest, _artifact_folders(args))
         # Route first, so only the chosen path's modules have to be in the checkpoints.
         ids = [tok.bos_id, *tok.encode(args.prompt)]
         index = int(make_route(manifest, _run_base(manifest, args))([ids])[0])
@@ -277,6 +277,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.hf_export import check_out_dir, export_hf
     from peer.offline.inference import export_path
+    from peer.run.rebuild import check_tokenizer
 
     if args.format == "hf":
         check_out_dir(args.out)  # before the checkpoints are read: it refuses in a moment
@@ -287,11 +288,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     grid = assemble_grid(manifest, ckpts, paths=[path])
     refuse_untrained(manifest, path_steps(manifest, ckpts), {index: 1.0}, args.allow_untrained, "exporting")
     if args.format == "hf":
-        out = export_hf(grid, path, args.out, manifest)
+        out = export_hf(grid, path, args.out, manifest, _artifact_folders(args))
         print(
             f"exported path {','.join(map(str, path))} of run {manifest.name} to {out} (Hugging Face GPT-2)"
         )
     else:
-        out = export_path(grid, path, args.out, manifest)
+        tok = check_tokenizer(manifest, _artifact_folders(args))
+        out = export_path(grid, path, args.out, manifest, getattr(tok, "path", None))
         print(f"exported path {','.join(map(str, path))} of run {manifest.name} to {out}")
     return 0

@@ -183,9 +183,9 @@ def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
     None)."""
     if manifest is None:
         return None
-    refs = ([("base model", manifest.base_checkpoint)] if manifest.base_checkpoint is not None else []) + [
-        (f"data shard {r.name}", r) for r in manifest.dataset.shards
-    ]
+    named = [("base model", manifest.base_checkpoint), ("tokenizer", manifest.tokenizer_file)]
+    refs = [(what, ref) for what, ref in named if ref is not None]
+    refs += [(f"data shard {r.name}", r) for r in manifest.dataset.shards]
     if not refs:
         return None
     from peer.artifacts.store import ArtifactStore

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from peer.artifacts.ref import ArtifactRef
+from peer.artifacts.store import find_artifact
 from peer.data.corpus import generate_documents
 from peer.errors import ConfigError
 
@@ -74,28 +75,20 @@ def _expand(patterns: list[str]) -> list[str]:
 
 
 def shard_files(spec: DatasetSpec, folders: Sequence[Path]) -> list[str]:
-    """The run's shards as files, in the manifest's order, from the first of `folders` (artifact
-    folders: a peer's own, the run folder) that holds each. What a peer fetched was checked chunk by
-    chunk against the manifest's hashes; a local file is matched by its size, not hashed again."""
+    """The run's shards as files, in the manifest's order, from the first of `folders` that holds
+    each (see `find_artifact`)."""
     out = []
     for ref in spec.shards:
-        found = [Path(f) / ref.sha256 for f in folders if _has_shard(Path(f), ref)]
-        if not found:
+        found = find_artifact(ref, folders)
+        if found is None:
             raise ConfigError(
                 f"the run's data shard {ref.name} ({ref.sha256[:12]}…) is in none of "
-                f"{[str(f) for f in folders]}: "
-                "pass --artifacts_dir with the folder that holds it (run create writes the shards beside the "
-                "manifest; every peer keeps a copy in CHECKPOINT_DIR/artifacts)"
+                f"{[str(f) for f in folders]}: pass --artifacts_dir with the folder that holds it "
+                "(run create writes the shards beside the manifest; every peer keeps a copy in "
+                "CHECKPOINT_DIR/artifacts)"
             )
-        out.append(str(found[0]))
+        out.append(str(found))
     return out
-
-
-def _has_shard(folder: Path, ref: ArtifactRef) -> bool:
-    try:
-        return (folder / ref.sha256).stat().st_size == ref.size_bytes
-    except OSError:
-        return False
 
 
 def local_files(spec: DatasetSpec, root: Path | None = None, shard_folders: Sequence[Path] = ()) -> list[str]:

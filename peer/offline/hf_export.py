@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -195,7 +196,11 @@ def tokenizer_files(tok: Tokenizer, seq_len: int) -> dict[str, str | dict]:
 
 
 def export_hf(
-    grid: GridModel, path: tuple[int, ...] | int, out_dir: str | Path, manifest: RunManifest
+    grid: GridModel,
+    path: tuple[int, ...] | int,
+    out_dir: str | Path,
+    manifest: RunManifest,
+    artifact_folders: Sequence[Path] = (),
 ) -> Path:
     """Writes one path as a Hugging Face GPT-2 folder; returns it. An existing non-empty `out_dir` is
     refused; the files are written beside it first and moved in once all are complete."""
@@ -205,7 +210,7 @@ def export_hf(
         raise ValueError("the grid's model config differs from the manifest's")
     out = Path(out_dir)
     check_out_dir(out)
-    tok = check_tokenizer(manifest)
+    tok = check_tokenizer(manifest, artifact_folders)
     files = tokenizer_files(tok, manifest.seq_len)
     files["config.json"] = gpt2_config(manifest, path, tok)
     # generate() stops at EOS and pads with PAD; the window limit is n_positions (no max_length here:

@@ -108,9 +108,14 @@ def generate(
 
 
 def export_path(
-    grid: GridModel, path: tuple[int, ...] | int, out_dir: str | Path, manifest: RunManifest
+    grid: GridModel,
+    path: tuple[int, ...] | int,
+    out_dir: str | Path,
+    manifest: RunManifest,
+    tokenizer_file: Path | None = None,
 ) -> Path:
-    """Writes `model.safetensors` and `config.json` for one path; returns the folder."""
+    """Writes `model.safetensors` and `config.json` for one path; returns the folder.
+    `tokenizer_file`: the run's checked tokenizer file (default: the manifest's tokenizer path)."""
     path = path_from_index(grid.cfg, path) if isinstance(path, int) else tuple(path)
     check_path(grid.cfg, path)
     if manifest.model != grid.cfg:
@@ -123,7 +128,7 @@ def export_path(
     tokenizer = manifest.tokenizer
     if tokenizer != "bytes":
         # Copied so the export is self-contained; the fingerprint says it is the run's tokenizer.
-        source = Path(tokenizer)
+        source = tokenizer_file or Path(tokenizer)
         shutil.copyfile(source / "tokenizer.json" if source.is_dir() else source, out / "tokenizer.json")
         tokenizer = "tokenizer.json"
     config = dict(

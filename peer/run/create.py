@@ -128,9 +128,13 @@ def manifest_from_options(
     if o.share_data and store is None:
         raise ConfigError("this caller cannot share the run's data")
     shared = share_dataset(dataset, store) if o.share_data else None
+    # a tokenizer file travels by hash too: volunteers do not have it at the creator's path
+    tokenizer_ref = None
+    if o.tokenizer != "bytes" and store is not None:
+        tokenizer_ref = store.add_file(tok.path, "tokenizer.json")
     manifest = build_manifest(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
-        tokenizer=o.tokenizer, base=base, base_ref=base_ref,
+        tokenizer=o.tokenizer, base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref,
     )  # fmt: skip
     # the router and base were fitted on the same files, read by path
     return manifest if shared is None else manifest.model_copy(update={"dataset": shared})
@@ -152,6 +156,7 @@ def build_manifest(
     router_kind: str = "product_kmeans",
     base: ModuleStates | None = None,
     base_ref: ArtifactRef | None = None,
+    tokenizer_ref: ArtifactRef | None = None,
 ) -> RunManifest:
     """Fits the router on up to `router_docs` training documents and returns the full manifest."""
     tok = load_tokenizer(tokenizer)
@@ -195,6 +200,7 @@ def build_manifest(
         tokenizer_fingerprint=tok.fingerprint,
         router=json.loads(router.to_json()),
         base_checkpoint=base_ref,
+        tokenizer_file=tokenizer_ref,
         created_at=time.time(),
     )
     try:

@@ -8,7 +8,10 @@ weights follow from the run seed. Either way every peer routes every document to
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from pathlib import Path
 
+from peer.artifacts.store import find_artifact
 from peer.config import RunManifest
 from peer.errors import ConfigError
 from peer.model.base import ModuleStates
@@ -29,9 +32,21 @@ def make_route(manifest: RunManifest, base: ModuleStates | None = None) -> Route
     return route_function(router_of(manifest), feature_model(manifest.model, manifest.seed, base))
 
 
-def check_tokenizer(manifest: RunManifest) -> Tokenizer:
-    """The run's tokenizer, refused when it is not the file the run was created with."""
-    tok = load_tokenizer(manifest.tokenizer)
+def check_tokenizer(manifest: RunManifest, folders: Sequence[Path] = ()) -> Tokenizer:
+    """The run's tokenizer, refused when it is not the file the run was created with. A run whose
+    tokenizer is a file names it by hash: it is read from the first of `folders` (artifact folders)
+    that holds it."""
+    ref = manifest.tokenizer_file
+    if ref is None:
+        tok = load_tokenizer(manifest.tokenizer)
+    else:
+        path = find_artifact(ref, folders)
+        if path is None:
+            raise ConfigError(
+                f"the run's tokenizer ({ref.sha256[:12]}…) is in none of {[str(f) for f in folders]}: pass "
+                "--artifacts_dir with the folder that holds it (run create writes it beside the manifest)"
+            )
+        tok = load_tokenizer(str(path))
     if manifest.tokenizer_fingerprint and tok.fingerprint != manifest.tokenizer_fingerprint:
         raise ConfigError(f"tokenizer {manifest.tokenizer!r} differs from the one the run was created with")
     return tok

@@ -114,9 +114,9 @@ class Peer(PathRotation):
         self.run_id = record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         check_memory(self.manifest, cfg, self.device)
-        self.tokenizer = check_tokenizer(self.manifest)
         self._data_root = check_data(self.manifest, cfg)
         self.base = self._obtain_artifacts()
+        self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
         )
@@ -173,10 +173,13 @@ class Peer(PathRotation):
         """The run's base model (None if it has none) and data shards, fetched if need be and served
         from now on."""
         m = self.manifest
-        if m.base_checkpoint is None and not m.dataset.shards:
+        if m.base_checkpoint is None and m.tokenizer_file is None and not m.dataset.shards:
             return None
         self.artifacts, base = start_artifact_service(self.dht, self.key, self.config, m, self.run_id)
         return base
+
+    def _artifact_folders(self) -> list[Path]:
+        return [self.artifacts.store.root] if self.artifacts is not None else []
 
     def _load_checkpoint(self):
         loaded = load_latest_checkpoint(self.config.checkpoint_dir)
@@ -237,7 +240,7 @@ class Peer(PathRotation):
             load_documents(
                 m.dataset,
                 root=self._data_root,
-                shard_folders=[self.artifacts.store.root] if self.artifacts is not None else [],
+                shard_folders=self._artifact_folders(),
             ),
             make_route(m, self.base),
             path_index(m.model, self.path),
