@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoints = read_checkpoints(manifest, ckpts)
     grid = assemble_grid(manifest, checkpoints)
     steps = path_steps(manifest, checkpoints)
-    route = make_route(manifest, base)
+    route = make_route(manifest, base, [folder / "artifacts"])
     docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
     routed = route_documents(route, [encode_document(tok, d) for d in docs])
     composite = evaluate(grid, docs, tok, route, context=manifest.seq_len, routed=routed)

@@ -24,7 +24,9 @@ from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
-MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards, tokenizer_file
+MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards, tokenizer_file, router_file
+#: a router file larger than this is refused before it is fetched or read
+MAX_ROUTER_FILE_BYTES = 64 << 20
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
 MIN_PIN_HEX = 16
 
@@ -137,6 +139,9 @@ class RunManifest(_Frozen):
     #: file at the creator's path
     tokenizer_file: ArtifactRef | None = None
     router: dict[str, Any] = Field(default_factory=dict)
+    #: the router as a file fetched by hash, instead of `router` inline: a router of any size (a
+    #: discriminative one over many paths) keeps the manifest a small DHT record
+    router_file: ArtifactRef | None = None
     #: the dense base model every module starts from and the router's features come from
     #: (peer/model/base.py), fetched by hash from the peers that serve it (peer/artifacts/)
     base_checkpoint: ArtifactRef | None = None
@@ -169,6 +174,12 @@ class RunManifest(_Frozen):
         if tau >= max(1, h // p):
             # fragment p's sync would still be in flight when fragment p+1's starts
             raise ValueError(f"sync.overlap_steps τ = {tau} must be below H/P = {h}/{p} = {h // p}")
+        if self.router_file is not None and self.router:
+            raise ValueError("a manifest carries its router inline or as router_file, not both")
+        if self.router_file is not None and self.router_file.size_bytes > MAX_ROUTER_FILE_BYTES:
+            raise ValueError(
+                f"router_file of {self.router_file.size_bytes} bytes exceeds {MAX_ROUTER_FILE_BYTES}"
+            )
         return self
 
     def canonical_json(self) -> str:

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.artifacts.store import ArtifactError
 from peer.cli.local_swarm import LocalSwarm
+from peer.config import RunManifest
 from peer.errors import ConfigError
 from peer.model.base import load_base, save_base
+from peer.run.rebuild import router_of
 from peer.run.record import load_verified_manifest
 from tests.swarm_harness import downloaded_state, wait_for
 
@@ -79,6 +82,12 @@ def test_a_joiner_fetches_the_base_from_a_peer_that_is_not_its_creator_and_train
     assert "is not in" in boot_log and "serving the run's base model" not in boot_log
     assert "fetching the run's base model" not in a_log  # a had it beside the manifest
     assert "fetching the run's base model" in b_log and f"sha256 {ref.sha256[:12]}… verified" in b_log
+    # the router too: a run with artifacts to serve carries its router by hash, not inline
+    assert manifest.router == {} and manifest.router_file is not None
+    assert (
+        "fetching the run's router" in b_log
+        and (tmp_path / "b" / "artifacts" / manifest.router_file.sha256).is_file()
+    )
     fetched = tmp_path / "b" / "artifacts" / ref.sha256
     assert fetched.read_bytes() == (tmp_path / "run" / "artifacts" / ref.sha256).read_bytes()
     # a's path 0 is the base's own path: its first round's loss is the base's, far below a cold
@@ -116,6 +125,28 @@ def test_a_tampered_base_beside_the_manifest_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "is not the run's base" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_tampered_router_beside_the_manifest_is_refused_in_one_line(tmp_path):
+    manifest_path = _create(tmp_path / "run", "--warm_start_steps", "5")
+    manifest, _ = load_verified_manifest(manifest_path)
+    stored = tmp_path / "run" / "artifacts" / manifest.router_file.sha256
+    # one byte changed, the size kept: what a size check alone would let through
+    stored.write_text(stored.read_text().replace('"bias":[', '"bias":[9', 1)[:-1])
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer", "peer", "--new_swarm", "--manifest_path", str(manifest_path),
+         "--run", "warm", "--checkpoint_dir", str(tmp_path / "c"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--max_steps", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "is not the run's router.json" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # offline commands read it from the run folder: refused there too, not used
+    with pytest.raises(ArtifactError, match="is not the run's router.json"):
+        router_of(manifest, [tmp_path / "run" / "artifacts"])
+    with pytest.raises(ValueError, match="inline or as router_file"):
+        RunManifest.model_validate({**manifest.model_dump(), "router": {"kind": "kmeans"}})
 
 
 def test_a_base_file_that_does_not_fit_the_run_is_refused_in_one_line(tmp_path):

@@ -21,22 +21,31 @@ from peer.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 
+class ArtifactError(SwarmError):
+    """An artifact that cannot be had: no source, every source wrong, or no room on disk."""
+
+
+#: local files up to this size are hashed again before use; larger ones (data shards) are matched by
+#: size: they were checked chunk by chunk when they arrived
+REHASH_LOCAL_BYTES = 64 << 20
+
+
 def find_artifact(ref: ArtifactRef, folders) -> Path | None:
-    """The first of `folders` (artifact folders: a peer's own, the run folder) holding `ref`'s file.
-    What a peer fetched was checked chunk by chunk against the manifest's hashes; a local file is
-    matched by its size, not hashed again."""
+    """The first of `folders` (artifact folders: a peer's own, the run folder) holding `ref`'s file;
+    a file of the right name but other contents is refused with an ArtifactError."""
     for folder in folders:
         path = Path(folder) / ref.sha256
         try:
-            if path.stat().st_size == ref.size_bytes:
-                return path
+            if path.stat().st_size != ref.size_bytes:
+                continue
+            if ref.size_bytes <= REHASH_LOCAL_BYTES:
+                got, _ = describe_file(path, ref.name, ref.chunk_bytes)
+                if got.sha256 != ref.sha256:
+                    raise ArtifactError(f"{path} is not the run's {ref.name} (its sha256 differs)")
+            return path
         except OSError:
             continue
     return None
-
-
-class ArtifactError(SwarmError):
-    """An artifact that cannot be had: no source, every source wrong, or no room on disk."""
 
 
 class ArtifactStore:

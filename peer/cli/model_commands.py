@@ -123,7 +123,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     grid = assemble_grid(manifest, ckpts)
     tok = check_tokenizer(manifest, _artifact_folders(args))
     base = _run_base(manifest, args)
-    route = make_route(manifest, base)
+    route = make_route(manifest, base, _artifact_folders(args))
     docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=_artifact_folders(args))
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
@@ -257,7 +257,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tok = check_tokenizer(manifest, _artifact_folders(args))
         # Route first, so only the chosen path's modules have to be in the checkpoints.
         ids = [tok.bos_id, *tok.encode(args.prompt)]
-        index = int(make_route(manifest, _run_base(manifest, args))([ids])[0])
+        index = int(make_route(manifest, _run_base(manifest, args), _artifact_folders(args))([ids])[0])
         path = path_from_index(manifest.model, index)
         ckpts = read_checkpoints(manifest, args.checkpoints)
         grid = assemble_grid(manifest, ckpts, paths=[path])

@@ -183,7 +183,11 @@ def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
     None)."""
     if manifest is None:
         return None
-    named = [("base model", manifest.base_checkpoint), ("tokenizer", manifest.tokenizer_file)]
+    named = [
+        ("base model", manifest.base_checkpoint),
+        ("tokenizer", manifest.tokenizer_file),
+        ("router", manifest.router_file),
+    ]
     refs = [(what, ref) for what, ref in named if ref is not None]
     refs += [(f"data shard {r.name}", r) for r in manifest.dataset.shards]
     if not refs:

@@ -33,6 +33,10 @@ from peer.model.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+#: a router whose JSON is larger goes beside the manifest as an artifact (the manifest is a DHT
+#: record, capped at 48 KiB)
+INLINE_ROUTER_BYTES = 16 << 10
+
 
 class RunOptions(BaseModel):
     """The choices behind a new run, named as `pathswarm run create`'s flags."""
@@ -136,8 +140,29 @@ def manifest_from_options(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
         tokenizer=o.tokenizer, base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref,
     )  # fmt: skip
-    # the router and base were fitted on the same files, read by path
-    return manifest if shared is None else manifest.model_copy(update={"dataset": shared})
+    update = {}
+    if shared is not None:  # the router and base were fitted on the same files, read by path
+        update["dataset"] = shared
+    # the router by hash, when someone serves the run's artifacts anyway or it is big: the manifest
+    # stays a small DHT record. A run with nothing to serve keeps a small router inline, so its peers
+    # need no node that holds the run folder.
+    served = base_ref is not None or tokenizer_ref is not None or shared is not None
+    if store is not None and (served or len(json.dumps(manifest.router)) > INLINE_ROUTER_BYTES):
+        update["router"], update["router_file"] = {}, router_artifact(manifest.router, store)
+    return RunManifest.model_validate({**manifest.model_dump(), **update}) if update else manifest
+
+
+def router_artifact(router: dict, store: ArtifactStore) -> ArtifactRef:
+    """The router's JSON as an artifact in `store`."""
+    store.root.mkdir(parents=True, exist_ok=True)
+    tmp = store.root / "router.json.tmp"
+    try:
+        tmp.write_text(json.dumps(router, sort_keys=True, separators=(",", ":")))
+        return store.add_file(tmp, "router.json")
+    except OSError as e:
+        raise ConfigError(f"cannot write the router beside the manifest: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def build_manifest(

@@ -1,6 +1,7 @@
 """What every peer rebuilds from a run manifest alone: the tokenizer and the routing function.
 
-The router travels inside the manifest and its features come from the run's *initial* path-0 model:
+The router travels inside the manifest, or beside it as a file named by hash (fetched like any
+artifact), and its features come from the run's *initial* path-0 model:
 the base model the manifest names by hash (fetched like any artifact), or without one the model whose
 weights follow from the run seed. Either way every peer routes every document to the same path.
 """
@@ -20,16 +21,33 @@ from peer.model.router import Router
 from peer.model.tokenizer import Tokenizer, load_tokenizer
 
 
-def router_of(manifest: RunManifest) -> Router:
-    return Router.from_json(json.dumps(manifest.router))
+def router_of(manifest: RunManifest, folders: Sequence[Path] = ()) -> Router:
+    """The run's router: inline in the manifest, or its `router_file` from the first of `folders`
+    (artifact folders) that holds it."""
+    ref = manifest.router_file
+    if ref is None:
+        return Router.from_json(json.dumps(manifest.router))
+    path = find_artifact(ref, folders)
+    if path is None:
+        raise ConfigError(
+            f"the run's router ({ref.sha256[:12]}…) is in none of {[str(f) for f in folders]}: pass "
+            "--artifacts_dir with the folder that holds it (run create writes it beside the manifest)"
+        )
+    try:
+        return Router.from_json(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the run's router file {path} is unreadable: {type(e).__name__}: {e}") from None
 
 
-def make_route(manifest: RunManifest, base: ModuleStates | None = None) -> Route:
+def make_route(
+    manifest: RunManifest, base: ModuleStates | None = None, folders: Sequence[Path] = ()
+) -> Route:
     """The routing function every peer of the run shares; `base` is the run's base model, which a
-    run that names one must pass (its router was fitted on the base's features)."""
+    run that names one must pass (its router was fitted on the base's features); `folders`: where a
+    router file is (see `router_of`)."""
     if (base is None) != (manifest.base_checkpoint is None):
         raise ConfigError("the router of a run with a base model needs the base, and only then")
-    return route_function(router_of(manifest), feature_model(manifest.model, manifest.seed, base))
+    return route_function(router_of(manifest, folders), feature_model(manifest.model, manifest.seed, base))
 
 
 def check_tokenizer(manifest: RunManifest, folders: Sequence[Path] = ()) -> Tokenizer:

@@ -94,8 +94,8 @@ def obtain_artifact(
 def start_artifact_service(
     dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str
 ) -> tuple[ArtifactService, ModuleStates | None]:
-    """A peer's artifact service with the run's base model (returned, loaded), tokenizer file and
-    data shards in it, each fetched if need be, offered and published."""
+    """A peer's artifact service with the run's base model (returned, loaded), tokenizer and router
+    files and data shards in it, each fetched if need be, offered and published."""
     store = ArtifactStore(config.artifacts_dir or default_artifacts_dir(config.checkpoint_dir))
     service = ArtifactService(dht, store)
     local = [run_folder_store(config.manifest_path)]
@@ -105,8 +105,12 @@ def start_artifact_service(
         if manifest.base_checkpoint is not None:
             path = obtain_artifact(service, dht, run, manifest.base_checkpoint, local, "the run's base model")
             base = load_base(path, manifest.model)
-        if manifest.tokenizer_file is not None:
-            obtain_artifact(service, dht, run, manifest.tokenizer_file, local, "the run's tokenizer")
+        for what, ref in (
+            ("the run's tokenizer", manifest.tokenizer_file),
+            ("the run's router", manifest.router_file),
+        ):
+            if ref is not None:
+                obtain_artifact(service, dht, run, ref, local, what)
         shards = manifest.dataset.shards
         many = len(shards) > MANY_SHARDS  # one line and one progress bar, not one per shard
         if many:

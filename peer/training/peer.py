@@ -173,7 +173,7 @@ class Peer(PathRotation):
         """The run's base model (None if it has none) and data shards, fetched if need be and served
         from now on."""
         m = self.manifest
-        if m.base_checkpoint is None and m.tokenizer_file is None and not m.dataset.shards:
+        if not (m.base_checkpoint or m.tokenizer_file or m.router_file or m.dataset.shards):
             return None
         self.artifacts, base = start_artifact_service(self.dht, self.key, self.config, m, self.run_id)
         return base
@@ -242,7 +242,7 @@ class Peer(PathRotation):
                 root=self._data_root,
                 shard_folders=self._artifact_folders(),
             ),
-            make_route(m, self.base),
+            make_route(m, self.base, self._artifact_folders()),
             path_index(m.model, self.path),
             self.tokenizer,
             m.seq_len,
