@@ -19,8 +19,9 @@ from dht.schema import ManifestRecord
 from peer.config import RunManifest, one_line
 from peer.errors import ConfigError
 
-#: hivemind's DHT process reads requests from a pipe that uvloop made non-blocking; a request larger
-#: than the pipe buffer (64 KiB) arrives in pieces and kills the DHT process. Keep records well below.
+#: every DHT node near the key stores and serves the manifest, and every joiner fetches it: a small
+#: record. (It was also once the limit below which hivemind's DHT process survived a request; that
+#: bug is fixed in dht/node.py.) Anything bigger travels as an artifact (router_file, shards).
 MAX_MANIFEST_BYTES = 48 * 1024
 
 
@@ -30,7 +31,7 @@ def sign_manifest(manifest: RunManifest, key: RSAPrivateKey) -> ManifestRecord:
     if size > MAX_MANIFEST_BYTES:
         raise ConfigError(
             f"manifest is {size} bytes, more than a DHT record may hold ({MAX_MANIFEST_BYTES}); "
-            "use a smaller router or fewer fields"
+            "use a smaller router, or with --share_data fewer and larger data files"
         )
     return ManifestRecord(
         run_id=run_id,
