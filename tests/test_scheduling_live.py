@@ -93,3 +93,32 @@ def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
         # differently (noted on issue 5), so only the bridging itself is asserted here.
         partners = set(second["groups"][TRUNK]) - {pid}
         assert len(partners) == 1 and region[partners.pop()] != region[pid], (pid, second["groups"])
+
+
+@pytest.mark.timeout(60)
+def test_link_probes_between_real_peers_measure_latency_and_bandwidth_and_stop_at_once(dht_factory):
+    import asyncio
+    import time
+
+    from peer.swarm.probes import ProbeService
+
+    (a, _), (b, _) = dht_factory(), dht_factory()
+    probes = [ProbeService(a), ProbeService(b)]
+    try:
+        links = probes[0].measure_links(
+            [str(b.peer_id), "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"], timeout=5
+        )
+        assert list(links) == [str(b.peer_id)]  # the unknown peer is skipped, not raised
+        latency, bandwidth = links[str(b.peer_id)]
+        assert 0 < latency < 1 and bandwidth > 1e6  # loopback: well under a second, over 1 MB/s
+    finally:
+        # a peer's sync service shuts the DHT's cached P2P replica down before the probes stop
+        async def close_cached(dht):
+            await (await dht.replicate_p2p()).shutdown()
+
+        for dht in (a, b):
+            asyncio.run(close_cached(dht))
+        started = time.monotonic()
+        for p in probes:
+            p.shutdown()
+        assert time.monotonic() - started < 2  # no cleanup waits out its timeout

@@ -30,9 +30,9 @@ from pydantic import ValidationError
 from dht.keys import PROBE_TTL_SECONDS, probes_key
 from dht.records import read_records, store_record
 from dht.schema import ProbeRecord
-from peer.background_loop import BackgroundLoop
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
+from peer.p2p_handler import P2PHandler
 from peer.seeding import stable_seed
 
 logger = logging.getLogger(__name__)
@@ -67,16 +67,13 @@ class ProbeService:
     """Serves and runs link probes over a P2P replica, on an event loop in a background thread."""
 
     def __init__(self, dht: hivemind.DHT):
-        self._background = BackgroundLoop("probes")
-        self._p2p = self._call(self._start(dht), timeout=30)
+        # a replica of its own: the sync service shuts the DHT's cached replica down first, and a
+        # cleanup on it then waited out its 5 s timeout on every peer's exit
+        self._handler = P2PHandler(dht, HANDLER, self._serve, "probes")
+        self._p2p = self._handler.p2p
 
     def _call(self, coro, timeout: float):
-        return self._background.call(coro, timeout)
-
-    async def _start(self, dht: hivemind.DHT):
-        p2p = await dht.replicate_p2p()
-        await p2p.add_protobuf_handler(HANDLER, self._serve, runtime_pb2.Tensor)
-        return p2p
+        return self._handler.call(coro, timeout)
 
     @staticmethod
     async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
@@ -119,11 +116,7 @@ class ProbeService:
         return links
 
     def shutdown(self) -> None:
-        async def cleanup():
-            await self._p2p.remove_protobuf_handler(HANDLER)
-            await self._p2p.shutdown()
-
-        self._background.stop(cleanup)
+        self._handler.shutdown()
 
 
 def sample_peers(candidates: list[str], me: str, cycle: int, max_links: int) -> list[str]:
