@@ -45,7 +45,7 @@ ROUND_LINE = re.compile(r"^(\S+ \S+) INFO peer\.training\.peer: round \d+ step (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=600, help="inner steps each side trains")
+    p.add_argument("--steps", type=int, default=1500, help="inner steps each side trains")
     p.add_argument("--inner_steps", type=int, default=50, help="H: inner steps per outer round")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=64)
@@ -144,6 +144,9 @@ def run_peer(args: argparse.Namespace, manifest: Path, folder: Path) -> dict:
                "--batch_size", str(args.batch_size), "--torch_threads", str(args.torch_threads),
                "--metrics_port", "0"]  # fmt: skip
     peaks: dict[int, tuple[str, int]] = {}
+    # USS: the memory only this process holds; the forked DHT process shares the main process's pages
+    # (torch included) until either writes them, which RSS counts twice
+    uss_peaks: dict[int, tuple[str, int]] = {}
     cpu: dict[int, float] = {}
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
@@ -156,11 +159,12 @@ def run_peer(args: argparse.Namespace, manifest: Path, folder: Path) -> dict:
                 break
             for p in tree:
                 try:
-                    rss, times = p.memory_info().rss, p.cpu_times()
+                    mem, times = p.memory_full_info(), p.cpu_times()
                 except psutil.Error:
                     continue
                 role = _role(p, proc.pid)
-                peaks[p.pid] = (role, max(rss, peaks.get(p.pid, (role, 0))[1]))
+                peaks[p.pid] = (role, max(mem.rss, peaks.get(p.pid, (role, 0))[1]))
+                uss_peaks[p.pid] = (role, max(mem.uss, uss_peaks.get(p.pid, (role, 0))[1]))
                 cpu[p.pid] = times.user + times.system
             time.sleep(0.2)
         code = proc.wait(timeout=120)
@@ -174,8 +178,12 @@ def run_peer(args: argparse.Namespace, manifest: Path, folder: Path) -> dict:
     by_role: dict[str, int] = {}
     for role, rss in peaks.values():
         by_role[role] = by_role.get(role, 0) + rss
+    uss_by_role: dict[str, int] = {}
+    for role, uss in uss_peaks.values():
+        uss_by_role[role] = uss_by_role.get(role, 0) + uss
     return dict(marks=marks, rss_peak_bytes_by_role=by_role, rss_peak_bytes=sum(by_role.values()),
-                cpu_seconds=sum(cpu.values()), processes=len(peaks))  # fmt: skip
+                uss_peak_bytes_by_role=uss_by_role, cpu_seconds=sum(cpu.values()),
+                processes=len(peaks))  # fmt: skip
 
 
 def _timestamp(text: str) -> float:
@@ -203,6 +211,7 @@ def compare(args: argparse.Namespace, plain: dict, peer: dict) -> dict:
         plain_tokens_per_second=plain_tps, peer_tokens_per_second=peer_tps,
         tokens_per_second_ratio=peer_tps / plain_tps,
         plain_rss_bytes=plain["rss_peak_bytes"], rss_bytes=peer["rss_peak_bytes_by_role"],
+        uss_bytes=peer["uss_peak_bytes_by_role"],
         peer_rss_bytes_total=peer["rss_peak_bytes"],
         rss_over_plain_bytes=peer["rss_peak_bytes"] - plain["rss_peak_bytes"],
         plain_cpu_seconds=plain["cpu_seconds"], peer_cpu_seconds=peer["cpu_seconds"],
@@ -227,10 +236,13 @@ def table(r: dict) -> str:
         f"| CPU seconds, all processes | {r['plain_cpu_seconds']:.1f} | {r['peer_cpu_seconds']:.1f} "
         f"| {r['peer_cpu_seconds'] / r['plain_cpu_seconds']:.2f} |",
         "",
-        "| peer process | peak RSS (MiB) |",
-        "|---|---:|",
+        "| peer process | peak RSS (MiB) | peak USS, its own pages (MiB) |",
+        "|---|---:|---:|",
     ]
-    lines += [f"| {role} | {b / mib:,.0f} |" for role, b in sorted(r["rss_bytes"].items())]
+    lines += [
+        f"| {role} | {b / mib:,.0f} | {r['uss_bytes'].get(role, 0) / mib:,.0f} |"
+        for role, b in sorted(r["rss_bytes"].items())
+    ]
     return "\n".join(lines) + "\n"
 
 
