@@ -109,6 +109,18 @@ def test_a_joiner_fetches_the_base_from_a_peer_that_is_not_its_creator_and_train
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _refused_start(manifest_path: Path, checkpoint_dir: Path) -> str:
+    """Starts a peer on the run and returns the one line it refused with (exit 2, no traceback)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "peer", "peer", "--new_swarm", "--manifest_path", str(manifest_path),
+         "--run", "warm", "--checkpoint_dir", str(checkpoint_dir), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--max_steps", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
 def test_a_tampered_base_beside_the_manifest_is_refused_in_one_line(tmp_path):
     manifest_path = _create(tmp_path / "run", "--warm_start_steps", "5")
     manifest, _ = load_verified_manifest(manifest_path)
@@ -116,32 +128,18 @@ def test_a_tampered_base_beside_the_manifest_is_refused_in_one_line(tmp_path):
     data = bytearray(stored.read_bytes())
     data[-5] ^= 0xFF
     stored.write_bytes(bytes(data))
-    proc = subprocess.run(
-        [sys.executable, "-m", "peer", "peer", "--new_swarm", "--manifest_path", str(manifest_path),
-         "--run", "warm", "--checkpoint_dir", str(tmp_path / "c"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-         "--max_steps", "1"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "is not the run's base" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = _refused_start(manifest_path, tmp_path / "c")
+    assert "is not the run's base" in last, last
 
 
 def test_a_tampered_router_beside_the_manifest_is_refused_in_one_line(tmp_path):
     manifest_path = _create(tmp_path / "run", "--warm_start_steps", "5")
     manifest, _ = load_verified_manifest(manifest_path)
     stored = tmp_path / "run" / "artifacts" / manifest.router_file.sha256
-    # one byte changed, the size kept: what a size check alone would let through
+    # a byte added and one dropped, the size kept: what a size check alone would let through
     stored.write_text(stored.read_text().replace('"bias":[', '"bias":[9', 1)[:-1])
-    proc = subprocess.run(
-        [sys.executable, "-m", "peer", "peer", "--new_swarm", "--manifest_path", str(manifest_path),
-         "--run", "warm", "--checkpoint_dir", str(tmp_path / "c"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-         "--max_steps", "1"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "is not the run's router.json" in last and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = _refused_start(manifest_path, tmp_path / "c")
+    assert "is not the run's router.json" in last, last
     # offline commands read it from the run folder: refused there too, not used
     with pytest.raises(ArtifactError, match="is not the run's router.json"):
         router_of(manifest, [tmp_path / "run" / "artifacts"])

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from peer.artifacts.ref import DEFAULT_CHUNK_BYTES, ArtifactRef, describe_file
-from peer.errors import SwarmError
+from peer.errors import ConfigError, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +30,42 @@ class ArtifactError(SwarmError):
 REHASH_LOCAL_BYTES = 64 << 20
 
 
-def find_artifact(ref: ArtifactRef, folders) -> Path | None:
+def find_artifact(ref: ArtifactRef, folders, rehash_up_to_bytes: int = REHASH_LOCAL_BYTES) -> Path | None:
     """The first of `folders` (artifact folders: a peer's own, the run folder) holding `ref`'s file;
-    a file of the right name but other contents is refused with an ArtifactError."""
+    a file of the right name but other contents (size, or the sha256 of a file up to
+    `rehash_up_to_bytes`) is refused with an ArtifactError."""
     for folder in folders:
         path = Path(folder) / ref.sha256
         try:
-            if path.stat().st_size != ref.size_bytes:
-                continue
-            if ref.size_bytes <= REHASH_LOCAL_BYTES:
-                got, _ = describe_file(path, ref.name, ref.chunk_bytes)
-                if got.sha256 != ref.sha256:
-                    raise ArtifactError(f"{path} is not the run's {ref.name} (its sha256 differs)")
-            return path
+            size = path.stat().st_size
         except OSError:
             continue
+        if size != ref.size_bytes:
+            raise ArtifactError(f"{path} is not the run's {ref.name} ({size} bytes, not {ref.size_bytes})")
+        if ref.size_bytes <= rehash_up_to_bytes:
+            try:
+                got, _ = describe_file(path, ref.name, ref.chunk_bytes)
+            except OSError:
+                continue
+            if got.sha256 != ref.sha256:
+                raise ArtifactError(f"{path} is not the run's {ref.name} (its sha256 differs)")
+        return path
     return None
+
+
+def require_artifact(
+    ref: ArtifactRef, folders, what: str, rehash_up_to_bytes: int = REHASH_LOCAL_BYTES
+) -> Path:
+    """`find_artifact`, for offline readers that cannot fetch: a missing artifact is one line
+    naming `what`, where it was looked for and how to point at it."""
+    path = find_artifact(ref, folders, rehash_up_to_bytes)
+    if path is None:
+        raise ConfigError(
+            f"{what} ({ref.sha256[:12]}…) is in none of {[str(f) for f in folders]}: pass "
+            "--artifacts_dir with the folder that holds it (run create writes it beside the manifest; "
+            "every peer keeps a copy in CHECKPOINT_DIR/artifacts)"
+        )
+    return path
 
 
 class ArtifactStore:

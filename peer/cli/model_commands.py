@@ -67,13 +67,6 @@ def _artifact_folders(args: argparse.Namespace) -> list[Path]:
     return folders + [Path(c) / ARTIFACTS_SUBDIR for c in args.checkpoints or []]
 
 
-def _run_base(manifest, args: argparse.Namespace):
-    """The run's base model from disk (None for a run without one): routing needs it."""
-    from peer.swarm.base_model import base_on_disk
-
-    return base_on_disk(manifest, _artifact_folders(args))
-
-
 def _source_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--manifest_path", type=Path, required=required, help="the run's signed manifest file")
     p.add_argument(
@@ -115,16 +108,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from peer.offline.evaluation import evaluate
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.run.rebuild import check_tokenizer, make_route
+    from peer.swarm.base_model import base_on_disk
 
     if args.max_docs is not None and args.max_docs < 1:
         raise ConfigError("--max_docs must be >= 1")
     manifest = load_manifest(args.manifest_path)
     ckpts = read_checkpoints(manifest, args.checkpoints)
     grid = assemble_grid(manifest, ckpts)
-    tok = check_tokenizer(manifest, _artifact_folders(args))
-    base = _run_base(manifest, args)
-    route = make_route(manifest, base, _artifact_folders(args))
-    docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=_artifact_folders(args))
+    folders = _artifact_folders(args)
+    tok = check_tokenizer(manifest, folders)
+    base = base_on_disk(manifest, folders)  # routing uses its features
+    route = make_route(manifest, base, folders)
+    docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=folders)
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
     # which paths the held-out documents go to, before the (long) scoring: an untrained one is refused
@@ -148,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             tok,
             args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8,
             steps,
-            _artifact_folders(args),
+            folders,
         )
         dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
 
@@ -239,6 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.inference import exported_tokenizer, generate, load_exported, read_export_config
     from peer.run.rebuild import check_tokenizer, make_route
+    from peer.swarm.base_model import base_on_disk
 
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
@@ -254,10 +250,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.manifest_path is None or not args.checkpoints:
             raise ConfigError("give --manifest_path and --checkpoints, or --exported")
         manifest = load_manifest(args.manifest_path)
-        tok = check_tokenizer(manifest, _artifact_folders(args))
+        folders = _artifact_folders(args)
+        tok = check_tokenizer(manifest, folders)
         # Route first, so only the chosen path's modules have to be in the checkpoints.
         ids = [tok.bos_id, *tok.encode(args.prompt)]
-        index = int(make_route(manifest, _run_base(manifest, args), _artifact_folders(args))([ids])[0])
+        index = int(make_route(manifest, base_on_disk(manifest, folders), folders)([ids])[0])
         path = path_from_index(manifest.model, index)
         ckpts = read_checkpoints(manifest, args.checkpoints)
         grid = assemble_grid(manifest, ckpts, paths=[path])

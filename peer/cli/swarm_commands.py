@@ -197,9 +197,11 @@ def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
     from peer.swarm.base_model import run_folder_store
 
     store = ArtifactStore(args.artifacts_dir) if args.artifacts_dir else run_folder_store(args.manifest_path)
-    have = [(what, ref) for what, ref in refs if store.has(ref)]
+    have = []
     for what, ref in refs:
-        if not store.has(ref):
+        if store.has(ref):
+            have.append((what, ref))
+        else:
             logger.warning(
                 f"the run's {what} {ref.sha256[:12]}… is not in {store.root}: this node does not serve it "
                 "(peers get it from others that do; give --artifacts_dir with the folder run create wrote)"

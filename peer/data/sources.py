@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from peer.artifacts.ref import ArtifactRef
-from peer.artifacts.store import find_artifact
+from peer.artifacts.store import require_artifact
 from peer.data.corpus import generate_documents
 from peer.errors import ConfigError
 
@@ -76,19 +76,8 @@ def _expand(patterns: list[str]) -> list[str]:
 
 def shard_files(spec: DatasetSpec, folders: Sequence[Path]) -> list[str]:
     """The run's shards as files, in the manifest's order, from the first of `folders` that holds
-    each (see `find_artifact`)."""
-    out = []
-    for ref in spec.shards:
-        found = find_artifact(ref, folders)
-        if found is None:
-            raise ConfigError(
-                f"the run's data shard {ref.name} ({ref.sha256[:12]}…) is in none of "
-                f"{[str(f) for f in folders]}: pass --artifacts_dir with the folder that holds it "
-                "(run create writes the shards beside the manifest; every peer keeps a copy in "
-                "CHECKPOINT_DIR/artifacts)"
-            )
-        out.append(str(found))
-    return out
+    each (see `require_artifact`)."""
+    return [str(require_artifact(ref, folders, f"the run's data shard {ref.name}")) for ref in spec.shards]
 
 
 def local_files(spec: DatasetSpec, root: Path | None = None, shard_folders: Sequence[Path] = ()) -> list[str]:

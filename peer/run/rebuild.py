@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from peer.artifacts.store import find_artifact
+from peer.artifacts.store import require_artifact
 from peer.config import RunManifest
 from peer.errors import ConfigError
 from peer.model.base import ModuleStates
@@ -27,12 +27,7 @@ def router_of(manifest: RunManifest, folders: Sequence[Path] = ()) -> Router:
     ref = manifest.router_file
     if ref is None:
         return Router.from_json(json.dumps(manifest.router))
-    path = find_artifact(ref, folders)
-    if path is None:
-        raise ConfigError(
-            f"the run's router ({ref.sha256[:12]}…) is in none of {[str(f) for f in folders]}: pass "
-            "--artifacts_dir with the folder that holds it (run create writes it beside the manifest)"
-        )
+    path = require_artifact(ref, folders, "the run's router")
     try:
         return Router.from_json(path.read_text())
     except (OSError, ValueError) as e:
@@ -58,13 +53,7 @@ def check_tokenizer(manifest: RunManifest, folders: Sequence[Path] = ()) -> Toke
     if ref is None:
         tok = load_tokenizer(manifest.tokenizer)
     else:
-        path = find_artifact(ref, folders)
-        if path is None:
-            raise ConfigError(
-                f"the run's tokenizer ({ref.sha256[:12]}…) is in none of {[str(f) for f in folders]}: pass "
-                "--artifacts_dir with the folder that holds it (run create writes it beside the manifest)"
-            )
-        tok = load_tokenizer(str(path))
+        tok = load_tokenizer(str(require_artifact(ref, folders, "the run's tokenizer")))
     if manifest.tokenizer_fingerprint and tok.fingerprint != manifest.tokenizer_fingerprint:
         raise ConfigError(f"tokenizer {manifest.tokenizer!r} differs from the one the run was created with")
     return tok

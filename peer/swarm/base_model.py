@@ -16,11 +16,10 @@ from pathlib import Path
 import hivemind
 from tqdm import tqdm
 
-from peer.artifacts.ref import ArtifactRef, describe_file
-from peer.artifacts.store import ArtifactError, ArtifactStore
+from peer.artifacts.ref import MAX_ARTIFACT_BYTES, ArtifactRef
+from peer.artifacts.store import ArtifactError, ArtifactStore, require_artifact
 from peer.artifacts.transfer import ArtifactService, providers
 from peer.config import PeerConfig, RunManifest
-from peer.errors import ConfigError
 from peer.model.base import ModuleStates, load_base
 
 logger = logging.getLogger(__name__)
@@ -133,15 +132,6 @@ def base_on_disk(manifest: RunManifest, folders: list[Path]) -> ModuleStates | N
     ref = manifest.base_checkpoint
     if ref is None:
         return None
-    for folder in folders:
-        path = ArtifactStore(folder).path(ref.sha256)
-        if path.is_file():
-            got, _ = describe_file(path, ref.name, ref.chunk_bytes)
-            if got.sha256 != ref.sha256:
-                raise ConfigError(f"{path} is not the run's base model (its sha256 differs)")
-            return load_base(path, manifest.model)
-    raise ConfigError(
-        f"this run starts from a base model ({ref.sha256[:12]}…) that is in none of "
-        f"{[str(f) for f in folders]}: pass --artifacts_dir with the folder that holds it (run create "
-        "writes it beside the manifest; every peer keeps a copy in CHECKPOINT_DIR/artifacts)"
-    )
+    # hashed whatever its size: a base is read once per command, and weights are what it changes
+    path = require_artifact(ref, folders, "this run's base model", rehash_up_to_bytes=MAX_ARTIFACT_BYTES)
+    return load_base(path, manifest.model)
