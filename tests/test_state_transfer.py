@@ -1,7 +1,8 @@
 """Downloading a module's state among hostile donors: each donor is a real `SyncService` on its own DHT
 node. A poisoned donor (a different state at the same rounds) is refused because other holders do
 not confirm it; a slow-loris donor (a header, then a byte now and then) is cut off at the download
-deadline; the joiner ends with an honest holder's exact state."""
+deadline; the joiner ends with an honest holder's exact state. With several honest donors the state
+comes in pieces from all of them, and pieces stay of one state while the donors' rounds move on."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 from peer.codecs.formats import make_codec
-from peer.sync import wire
+from peer.sync import state_fetch, wire
 from peer.sync.inbox import Inbox
 from peer.sync.service import SyncService
-from peer.sync.state_transfer import StateHistory, digests_of, fetch_confirmed, install_state_handlers
+from peer.sync.state_fetch import fetch_confirmed
+from peer.sync.state_transfer import StateHistory, digests_of, install_state_handlers
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID
 
@@ -41,8 +43,17 @@ def _slow_loris(dht_factory) -> SyncService:
     service = _service(dht_factory)
 
     async def dribble(sender, body, reader, writer):
-        header = wire.StateHeader(run=RUN_ID, module=MODULE, fragment_rounds=ROUNDS, numels=NUMELS)
-        payload = wire.pack(Kind.PAYLOAD, b"\0" * 4 * NUMELS[0])
+        request = wire.parse(wire.StateRequest, body)
+        stop = sum(NUMELS) if request.stop is None else request.stop
+        header = wire.StateHeader(
+            run=service.run,
+            module=MODULE,
+            fragment_rounds=ROUNDS,
+            numels=NUMELS,
+            start=request.start,
+            stop=stop,
+        )
+        payload = wire.pack(Kind.PAYLOAD, b"\0" * 4 * (stop - request.start))
         await wire.write(writer, wire.pack_header(Kind.STATE_HEADER, header))
         for i in range(len(payload)):  # one byte a second: never done
             await wire.write(writer, payload[i : i + 1])
@@ -52,8 +63,16 @@ def _slow_loris(dht_factory) -> SyncService:
     return service
 
 
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 256 numbers, so a test state of a few thousand numbers is striped over every donor."""
+    monkeypatch.setattr(state_fetch, "MIN_PIECE_NUMBERS", 256)
+
+
 @pytest.mark.timeout(120)
-def test_a_joiner_refuses_a_poisoned_donor_cuts_off_a_slow_one_and_takes_the_honest_state(dht_factory):
+def test_a_joiner_refuses_a_poisoned_donor_cuts_off_a_slow_one_and_takes_the_honest_state(
+    dht_factory, small_pieces
+):
     gen = torch.Generator().manual_seed(0)
     honest = [torch.randn(n, generator=gen) for n in NUMELS]
     poisoned = [t.clone() for t in honest]
@@ -75,8 +94,76 @@ def test_a_joiner_refuses_a_poisoned_donor_cuts_off_a_slow_one_and_takes_the_hon
         for s in services:
             s.shutdown()
     assert got is not None
-    donor, rounds, tensors, confirmed = got
-    assert donor == good[0].peer_id and confirmed and rounds == ROUNDS
+    sources, rounds, tensors, confirmed = got
+    # the striped attempt took a poisoned piece from `bad` and was refused as a whole; then, whole
+    # states one donor after another: the slow one cut off, the poisoned one refused, the first good one
+    assert sources == [good[0].peer_id] and confirmed and rounds == ROUNDS
     assert all(torch.equal(a, b) for a, b in zip(tensors, honest, strict=True))
-    assert joiner.refused["unconfirmed"] == 1  # the poisoned state, refused after the download
-    assert seconds < 30  # the slow donor cost one download deadline, not its whole dribble
+    assert joiner.refused["unconfirmed"] == 2
+    assert seconds < 30  # the slow donor cost a download deadline each time, not its whole dribble
+
+
+class MovingHolder:
+    """A holder whose copy moves on to the next round right after it served its first piece."""
+
+    def __init__(self, dht_factory, before: list[torch.Tensor], after: list[torch.Tensor]):
+        self.service = _service(dht_factory)
+        self.states = [(ROUNDS, before), ([ROUNDS[0] + 1], after)]
+        self.served = 0
+        history = StateHistory()
+        for rounds, tensors in self.states:
+            history.record(MODULE, rounds, digests_of(tensors))
+        install_state_handlers(self.service, self.snapshot, history)
+
+    def snapshot(self, module: str):
+        state = self.states[min(self.served, 1)]
+        self.served += 1
+        return state
+
+
+def _fetch(joiner: SyncService, donors: list[str]):
+    coro = fetch_confirmed(joiner, MODULE, LARGE, donors, timeout=5.0, confirm_timeout=3.0)
+    return joiner.submit(coro).result(timeout=60)
+
+
+LARGE = [4096, 4096]  # 32 pieces of 256 numbers
+
+
+@pytest.mark.timeout(90)
+def test_a_joiner_takes_pieces_of_the_state_from_every_donor_at_once(dht_factory, small_pieces):
+    gen = torch.Generator().manual_seed(1)
+    state = [torch.randn(n, generator=gen) for n in LARGE]
+    donors, joiner = [], None
+    try:
+        donors = [_holder(dht_factory, state) for _ in range(4)]
+        joiner = _service(dht_factory)
+        got = _fetch(joiner, [d.peer_id for d in donors])
+        sent = [d.bytes_sent for d in donors]
+    finally:
+        for s in [*donors, joiner]:
+            if s is not None:
+                s.shutdown()
+    assert got is not None and got.confirmed and got.rounds == ROUNDS
+    assert sorted(got.donors) == sorted(d.peer_id for d in donors)
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, state, strict=True))
+    # every donor served a share, and together no more than the state (plus frame headers)
+    assert all(s > 0 for s in sent) and sum(sent) < 4 * sum(LARGE) * 1.05
+
+
+@pytest.mark.timeout(90)
+def test_pieces_stay_of_one_state_while_the_donors_copies_move_on(dht_factory, small_pieces):
+    gen = torch.Generator().manual_seed(2)
+    before = [torch.randn(n, generator=gen) for n in LARGE]
+    after = [t + 1.0 for t in before]
+    holders, joiner = [], None
+    try:
+        holders = [MovingHolder(dht_factory, before, after) for _ in range(2)]
+        joiner = _service(dht_factory)
+        got = _fetch(joiner, [h.service.peer_id for h in holders])
+    finally:
+        for s in [*(h.service for h in holders), joiner]:
+            if s is not None:
+                s.shutdown()
+    # both donors kept serving the state they started with: the pieces add up to it, from both
+    assert got is not None and got.rounds == ROUNDS and len(got.donors) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, before, strict=True))

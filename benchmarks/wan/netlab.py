@@ -247,6 +247,12 @@ class NetLab:
         self.ns(host, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                 "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")  # fmt: skip
 
+    def set_ingress_cap(self, host: Host, mbit: float) -> None:
+        """Caps what the host receives (its downlink) at `mbit`: tbf on the bridge's end of its veth."""
+        rate_bytes = mbit * 1e6 / 8
+        _run("tc", "qdisc", "replace", "dev", host.host_veth, "root", "tbf", "rate", f"{mbit}mbit",
+             "burst", str(max(16 * 1024, int(rate_bytes * 0.005))), "latency", "200ms")  # fmt: skip
+
     def set_loss(self, host: Host, probability: float) -> None:
         """Drops each packet the host sends with this probability (iptables statistic match)."""
         if shutil.which("iptables") is None:

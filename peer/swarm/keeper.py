@@ -34,7 +34,8 @@ from peer.sync.fragments import FragmentPlan
 from peer.sync.inbox import Inbox
 from peer.sync.module_sync import module_digest
 from peer.sync.service import SyncService
-from peer.sync.state_transfer import StateHistory, digests_of, fetch_confirmed, install_state_handlers
+from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
+from peer.sync.state_transfer import StateHistory, digests_of, install_state_handlers
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,10 @@ class Keeper:
                 self.service, mid, self.numels[mid], ahead,
                 sync.averaging_timeout_seconds, sync.report_timeout_seconds,
             )  # fmt: skip
-            got = self.service.call(coro, (sync.averaging_timeout_seconds + 30) * len(ahead))
+            budget = fetch_budget_seconds(
+                self.numels[mid], len(ahead), sync.averaging_timeout_seconds, sync.report_timeout_seconds
+            )
+            got = self.service.call(coro, budget)
             if got is not None and sum(got[1]) > kept:
                 self._keep(mid, got[1], got[2], True)
                 advanced += 1

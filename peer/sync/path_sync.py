@@ -12,6 +12,7 @@ reports show to differ from the group's majority, and keeps the sync state a che
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -32,7 +33,8 @@ from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import GroupOf, StreamingOuter
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
-from peer.sync.state_transfer import StateHistory, fetch_confirmed, install_state_handlers
+from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
+from peer.sync.state_transfer import StateHistory, install_state_handlers
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
@@ -297,11 +299,22 @@ class PathSync:
             sync.averaging_timeout_seconds,
             sync.report_timeout_seconds,
         )
-        got = self.service.call(coro, (sync.averaging_timeout_seconds + 30) * max(1, len(donors)))
+        budget = fetch_budget_seconds(
+            numels, len(donors), sync.averaging_timeout_seconds, sync.report_timeout_seconds
+        )
+        started = time.monotonic()
+        got = self.service.call(coro, budget)
         if got is None:
             logger.error(f"{ms.module_id}: no holder sent a confirmed state; going on with our own copy")
             return False
-        donor, rounds, tensors, was_confirmed = got
+        sources, rounds, tensors, was_confirmed = got
+        seconds, megabytes = time.monotonic() - started, 4 * sum(numels) / 1e6
+        # the join's longest wait: how fast it went and from how many donors, for volunteers and benchmarks
+        logger.info(
+            f"{ms.module_id}: state of {megabytes:.1f} MB from {len(sources)} donor(s) in {seconds:.1f} s "
+            f"({megabytes / max(seconds, 1e-9):.2f} MB/s)"
+        )
+        donor = sources[0]
         if not was_confirmed:
             # a swarm of two (a joiner and one holder) has nobody else to ask: not a fault, and nothing
             # the volunteer could act on; a state other holders contradict is refused (and warned of)

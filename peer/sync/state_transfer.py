@@ -1,7 +1,8 @@
 """A module's state between holders: served, downloaded within caps, and confirmed by other holders.
 
 A joiner (or a holder repairing a copy that drifted) downloads a module's global copy and outer
-momentum from one holder, computes the state's digest itself, and asks *other* holders whether
+momentum — whole from one holder, or in ranges from several (`state_fetch`), each range naming the
+state it belongs to — computes the state's digest itself, and asks the holders whether
 their copy was that state at those fragment rounds: every holder remembers the digests of its last
 `HISTORY_STATES` states. A state no other holder confirms is refused — whatever the donor claimed
 about its rounds — so a poisoned donor cannot plant a copy, and a donor that sends slowly or too
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -74,27 +76,84 @@ async def read_tensors(service: SyncService, reader, peer: str, numels: list[int
     return tensors
 
 
+def range_frames(tensors: list[torch.Tensor], start: int, stop: int):
+    """PAYLOAD frames of the numbers [start, stop) of `tensors` laid end to end, as little-endian float32,
+    at most `STATE_CHUNK_NUMBERS` per frame; made one at a time, so a big state is never copied whole."""
+    offset = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        lo, hi = max(start, offset), min(stop, offset + flat.numel())
+        for a in range(lo, hi, wire.STATE_CHUNK_NUMBERS):
+            b = min(hi, a + wire.STATE_CHUNK_NUMBERS)
+            piece = flat[a - offset : b - offset].to(torch.float32).contiguous().numpy()
+            yield wire.pack(Kind.PAYLOAD, piece.astype("<f4", copy=False).tobytes())
+        offset += flat.numel()
+
+
+#: seconds a state served to a joiner stays available after the holder's own copy moved on, so that
+#: the parts it still takes from us belong to the same state as those it took already
+PIN_SECONDS = 120.0
+
+
 def install_state_handlers(
     service: SyncService, snapshot: Callable[[str], Snapshot | None], history: StateHistory
 ) -> None:
-    """Lets other peers download our modules' states and confirm state digests against our history."""
+    """Lets other peers download our modules' states (whole, or a range of one) and confirm state
+    digests against our history."""
+    # module -> (rounds, tensors, expiry): the last state served; the tensors are never written into
+    # (a round replaces them), so holding the references holds that state at no copy
+    pinned: dict[str, tuple[list[int], list[torch.Tensor], float]] = {}
+
+    def unpin(module: str) -> None:
+        got = pinned.get(module)
+        if got is not None and got[2] <= time.monotonic():
+            del pinned[module]
+
+    def state_for(request: wire.StateRequest) -> Snapshot | str:
+        module, wanted = request.module, request.fragment_rounds
+        got = snapshot(module)
+        if got is None:
+            return "not held"
+        total = sum(t.numel() for t in got[1])
+        whole = request.start == 0 and (request.stop is None or request.stop >= total)
+        if wanted is None or got[0] == wanted:
+            chosen = got
+        elif module in pinned and pinned[module][0] == wanted:
+            chosen = pinned[module][:2]
+        else:
+            return "moved on"
+        if not whole:  # a whole state goes in one stream from one snapshot: nothing to hold for it
+            pinned[module] = (list(chosen[0]), list(chosen[1]), time.monotonic() + PIN_SECONDS)
+            asyncio.get_running_loop().call_later(PIN_SECONDS + 1, unpin, module)
+        return chosen
 
     async def on_state_request(sender: str, body: bytes, reader, writer) -> None:
         request = wire.parse(wire.StateRequest, body)
-        got = snapshot(request.module) if request.run == service.run else None
-        if got is None:
-            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="not held")))
+        if request.run != service.run:
+            got: Snapshot | str = "other run"
+        else:
+            got = state_for(request)
+        if isinstance(got, str):
+            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason=got)))
             return
         rounds, tensors = got
+        total = sum(t.numel() for t in tensors)
+        stop = total if request.stop is None else min(request.stop, total)
+        if request.start > stop:
+            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="bad range")))
+            return
         header = wire.StateHeader(
             run=service.run,
             module=request.module,
             fragment_rounds=rounds,
             numels=[t.numel() for t in tensors],
+            start=request.start,
+            stop=stop,
         )
-        frames = [wire.pack_header(Kind.STATE_HEADER, header), *tensor_frames(tensors)]
-        service.bytes_sent += sum(len(f) for f in frames)
-        await wire.write(writer, *frames)
+        await wire.write(writer, wire.pack_header(Kind.STATE_HEADER, header))
+        for frame in range_frames(tensors, request.start, stop):
+            service.bytes_sent += len(frame)
+            await wire.write(writer, frame)
 
     async def on_confirm(sender: str, body: bytes, reader, writer) -> None:
         query = wire.parse(wire.Confirm, body)
@@ -111,14 +170,33 @@ def install_state_handlers(
     service.extra_handlers[Kind.CONFIRM] = on_confirm
 
 
-async def download_state(
-    service: SyncService, peer: str, module: str, numels: list[int], timeout: float
-) -> Snapshot:
-    """A module's state from `peer`, read within the sizes `numels` our own model implies."""
+#: the slowest donor a download waits for, bytes per second (2 Mbit/s): a state's deadline grows with
+#: its size at this rate, so a big path is not cut off on a slow link and a stalled donor still is
+MIN_DOWNLOAD_BYTES_PER_SECOND = 250_000
 
-    async def go() -> Snapshot:
-        frames = [wire.pack_header(Kind.STATE_REQUEST, wire.StateRequest(run=service.run, module=module))]
-        reader, writer = await service.open(peer, frames, timeout)
+
+def download_deadline(timeout: float, numbers: int) -> float:
+    return timeout + 4 * numbers / MIN_DOWNLOAD_BYTES_PER_SECOND
+
+
+async def download_range(
+    service: SyncService,
+    peer: str,
+    module: str,
+    numels: list[int],
+    start: int,
+    stop: int,
+    timeout: float,
+    rounds: list[int] | None = None,
+) -> tuple[list[int], np.ndarray]:
+    """The numbers [start, stop) of a module's state from `peer` (of the state at `rounds`, if given),
+    read within the sizes `numels` our own model implies: (the state's fragment rounds, float32s)."""
+
+    async def go() -> tuple[list[int], np.ndarray]:
+        request = wire.StateRequest(
+            run=service.run, module=module, start=start, stop=stop, fragment_rounds=rounds
+        )
+        reader, writer = await service.open(peer, [wire.pack_header(Kind.STATE_REQUEST, request)], timeout)
         try:
             kind, body = await wire.read_frame(reader, {Kind.STATE_HEADER, Kind.ACK}, wire.MAX_HEADER_BYTES)
             if kind == Kind.ACK:
@@ -128,13 +206,31 @@ async def download_state(
                 header.module != module
                 or header.numels != numels
                 or len(header.fragment_rounds) * 2 != len(numels)
+                or (header.start, header.stop) != (start, stop)
+                or (rounds is not None and header.fragment_rounds != rounds)
             ):
-                raise wire.WireError(f"{peer} offered a state of another shape ({header.numels[:4]}...)")
-            return list(header.fragment_rounds), await read_tensors(service, reader, peer, numels)
+                raise wire.WireError(f"{peer} offered another state or range ({header.numels[:4]}...)")
+            out = np.empty(stop - start, dtype=np.float32)
+            at = 0
+            while at < len(out):
+                cap = 4 * min(wire.STATE_CHUNK_NUMBERS, len(out) - at)
+                _, data = await wire.read_frame(reader, {Kind.PAYLOAD}, cap)
+                if len(data) % 4 or not data:
+                    raise wire.WireError(f"{peer} sent a frame of {len(data)} bytes")
+                service.bytes_received += len(data) + 5
+                out[at : at + len(data) // 4] = np.frombuffer(data, dtype="<f4")
+                at += len(data) // 4
+            return list(header.fragment_rounds), out
         finally:
             writer.close()
 
-    return await asyncio.wait_for(go(), timeout)
+    return await asyncio.wait_for(go(), download_deadline(timeout, stop - start))
+
+
+def split_state(numbers: np.ndarray, numels: list[int]) -> list[torch.Tensor]:
+    """The state's tensors, each with storage of its own (a checkpoint cannot hold views of one buffer)."""
+    bounds = np.cumsum([0, *numels])
+    return [torch.from_numpy(numbers[a:b].copy()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 async def confirm_state(
@@ -177,30 +273,3 @@ async def confirmed(
             return False
         await asyncio.sleep(0.5 * (attempt + 1))
     return False
-
-
-async def fetch_confirmed(
-    service: SyncService,
-    module: str,
-    numels: list[int],
-    donors: list[str],
-    timeout: float,
-    confirm_timeout: float,
-) -> tuple[str, list[int], list[torch.Tensor], bool] | None:
-    """A module's state from the first donor that sends one that another holder confirms (or from a
-    donor with nobody else to ask: `confirmed` is then False). Returns (donor, rounds, tensors,
-    confirmed), or None."""
-    for donor in donors:
-        try:
-            rounds, tensors = await download_state(service, donor, module, numels, timeout)
-        except Exception as e:
-            logger.warning(f"{module}: state download from {donor} failed: {type(e).__name__}: {e}")
-            continue
-        confirmers = [d for d in donors if d != donor]
-        if not confirmers:
-            return donor, rounds, tensors, False
-        if await confirmed(service, module, rounds, digests_of(tensors), confirmers, confirm_timeout):
-            return donor, rounds, tensors, True
-        logger.warning(f"{module}: no other holder confirms the state {donor} sent; refused")
-        service.refused["unconfirmed"] += 1
-    return None

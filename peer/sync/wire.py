@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 PROTOCOL = "pathswarm_sync_v1"
 MAX_HEADER_BYTES = 64 * 1024
+#: numbers per PAYLOAD frame of a state download (4 MiB): what a receiver holds unread at most
+STATE_CHUNK_NUMBERS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
 _MODULE = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
 
@@ -102,9 +104,15 @@ class Report(Header):
 
 
 class StateRequest(Header):
-    """Asks for a module's global copy and outer momentum."""
+    """Asks for a module's global copy and outer momentum, or for the numbers [start, stop) of it (θ̄
+    of every fragment, then every momentum, as one run of float32): a joiner takes parts of one
+    state from several holders at once. `fragment_rounds` names the state wanted (None: the current
+    one), so that every part comes from the same state even while the holders' rounds move on."""
 
     module: str = Field(max_length=16)
+    start: int = Field(0, ge=0, lt=2**40)
+    stop: int | None = Field(None, ge=0, lt=2**40)
+    fragment_rounds: list[int] | None = Field(None, max_length=64)
 
 
 class StateHeader(Header):
@@ -112,8 +120,11 @@ class StateHeader(Header):
 
     module: str = Field(max_length=16)
     fragment_rounds: list[int] = Field(max_length=64)
-    #: numbers in each tensor that follows (θ̄ per fragment, then momentum per fragment)
+    #: numbers in each tensor of the state (θ̄ per fragment, then momentum per fragment)
     numels: list[int] = Field(max_length=128)
+    #: the numbers of the state that follow, in PAYLOAD frames of at most `STATE_CHUNK_NUMBERS` each
+    start: int = Field(0, ge=0, lt=2**40)
+    stop: int = Field(0, ge=0, lt=2**40)
 
 
 class Confirm(Header):

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from dht.node import start_dht
@@ -72,6 +73,8 @@ class Peer(PathRotation):
         self.run_id = ""
         self.step = 0
         self.tokens_total = 0
+        # a join's cost as a volunteer sees it: from the process's start (imports included) to training
+        self.process_started = psutil.Process().create_time()
         self.outer_round = 0
         self.last_loss = float("nan")
         self.tokens_per_second = 0.0
@@ -280,11 +283,17 @@ class Peer(PathRotation):
         self.model.train()
         window_started, window_tokens = time.monotonic(), 0
         self.history.start_clock()
+        first_step = True
         while not self._finishing():
             fault_point("train.step")
             batch = next(self.batches).to(self.device)
             self.last_loss = inner_step(self.model, self.inner, batch, m.inner, self.step, autocast=autocast)
             tokens = tokens_in(batch)
+            if first_step:
+                first_step = False
+                logger.info(
+                    f"first inner step {time.time() - self.process_started:.1f} s after the peer started"
+                )
             self.step += 1
             index = path_index(m.model, self.path)
             self.path_steps[index] = self.path_steps.get(index, 0) + 1
