@@ -104,7 +104,8 @@ def test_a_joiner_refuses_a_poisoned_donor_cuts_off_a_slow_one_and_takes_the_hon
 
 
 class MovingHolder:
-    """A holder whose copy moves on to the next round right after it served its first piece."""
+    """A holder whose copy moves on to the next round right after it served its first pieces (one per
+    stream a joiner opens to it at once)."""
 
     def __init__(self, dht_factory, before: list[torch.Tensor], after: list[torch.Tensor]):
         self.service = _service(dht_factory)
@@ -116,7 +117,7 @@ class MovingHolder:
         install_state_handlers(self.service, self.snapshot, history)
 
     def snapshot(self, module: str):
-        state = self.states[min(self.served, 1)]
+        state = self.states[0 if self.served < state_fetch.STREAMS_PER_DONOR else 1]
         self.served += 1
         return state
 

@@ -3,7 +3,7 @@
 A joiner's download is the largest transfer a peer makes (θ̄ and momentum of every module of its
 path: 8 bytes per parameter), and a volunteer's uplink is the narrow end of most home lines. So the
 state is cut into pieces and every donor at the top round serves pieces in parallel, a faster donor
-taking more of them (each worker pulls the next piece when its last one arrived); a donor that fails
+taking more of them (each pulls the next piece when one of its two in flight arrived); a donor that fails
 or stalls hands its piece back to the others. A single donor sends its pieces one after another: no
 stream has to outlast a donor's stream timeout, however big the state or slow the link. Every piece
 names the state it belongs to by fragment rounds, and a donor whose own copy moves on during the
@@ -39,8 +39,12 @@ from peer.sync.state_transfer import (
 
 logger = logging.getLogger(__name__)
 
-#: pieces per donor: enough that a fast donor can take over a slow one's share
-PIECES_PER_DONOR = 4
+#: pieces per donor: enough that a fast donor can take over a slow one's share, and that the last
+#: pieces (when some donors are done and idle) are short
+PIECES_PER_DONOR = 8
+#: pieces a donor sends at once: the next one's request and first bytes overlap the last one's end,
+#: so a donor's uplink does not idle for a round trip between pieces
+STREAMS_PER_DONOR = 2
 #: numbers per piece, at least (1 MiB of float32: a piece's request costs one round trip) and at most
 #: (16 MiB: a piece's stream must end within the donor's stream timeout even on a 2 Mbit/s uplink)
 MIN_PIECE_NUMBERS = 1 << 18
@@ -108,7 +112,7 @@ async def fetch_striped(
             if donor not in contributors:
                 contributors.append(donor)
 
-    await asyncio.gather(*(worker(d) for d in donors))
+    await asyncio.gather(*(worker(d) for d in donors for _ in range(STREAMS_PER_DONOR)))
     if remaining > 0 or target is None:
         return None
     return contributors, target, out
