@@ -25,8 +25,11 @@ import numpy as np
 from peer.scheduler.snapshot import SwarmSnapshot
 
 NS_PER_SECOND = 1e9
-#: Stands for "no link" in min-reductions; far above any real cost yet safe to add a few times.
-_NO_LINK = np.int64(2**60)
+#: Rows per block when filling or reducing N x N matrices: bounds temporaries to ~ROW_BLOCK x N.
+ROW_BLOCK = 512
+#: Above this many peers the (up to three) cached sums of two sizes' link matrices would cost more
+#: memory (8 N^2 bytes each) than the time they save.
+PAIR_CACHE_MAX_PEERS = 4096
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,12 @@ class CostModel:
         self.n = len(self.peers)
         self.n_paths = grid.n_paths
         self.n_groups = min(grid.n_paths, self.n)
-        sub = np.ix_(self.peer_index, self.peer_index)
-        self._lat = snapshot.latency_seconds[sub]
-        self._bw = snapshot.bandwidth_bytes_per_second[sub]
+        if self.n == snapshot.n_peers:  # the snapshot's read-only arrays: no N x N copy
+            self._lat, self._bw = snapshot.latency_seconds, snapshot.bandwidth_bytes_per_second
+        else:
+            sub = np.ix_(self.peer_index, self.peer_index)
+            self._lat = snapshot.latency_seconds[sub]
+            self._bw = snapshot.bandwidth_bytes_per_second[sub]
         self._fragment = float(grid.fragment_bytes)
         self._by_size: dict[object, np.ndarray] = {}
         # Throughput in milli-tokens/s as integers: group sums are exact, hence order-free.
@@ -151,19 +157,24 @@ class CostModel:
         return np.array([base + 1] * extra + [base] * (g - extra), dtype=np.int64)
 
     def links(self, size: int) -> np.ndarray:
-        """Per-link cost 2*(alpha + c/(size*beta)) in integer ns for groups of `size` (diag 0)."""
+        """Per-link cost 2*(alpha + c/(size*beta)) in integer ns for groups of `size` (diag 0).
+
+        Filled in blocks of rows so that a 10k-peer swarm needs no N x N float temporaries."""
         m = self._by_size.get(size)
         if m is None:
-            with np.errstate(divide="ignore"):
-                sec = 2.0 * (self._lat + self._fragment / (size * self._bw))
-            np.fill_diagonal(sec, 0.0)
-            m = np.round(sec * NS_PER_SECOND).astype(np.int64)
+            m = np.empty((self.n, self.n), dtype=np.int64)
+            for start in range(0, self.n, ROW_BLOCK):
+                rows = np.arange(start, min(start + ROW_BLOCK, self.n))
+                m[rows] = self.block(size, rows, slice(None))
             m.setflags(write=False)
             self._by_size[size] = m
         return m
 
-    def pair_links(self, size_a: int, size_b: int) -> np.ndarray:
-        """links(size_a) + links(size_b), for gains that price a link in two groups at once."""
+    def pair_links(self, size_a: int, size_b: int) -> np.ndarray | None:
+        """links(size_a) + links(size_b), for gains that price a link in two groups at once; cached
+        while such a matrix stays small (None above PAIR_CACHE_MAX_PEERS: sum two gathers instead)."""
+        if self.n > PAIR_CACHE_MAX_PEERS:
+            return None
         key = ("pair", min(size_a, size_b), max(size_a, size_b))
         m = self._by_size.get(key)
         if m is None:
@@ -172,16 +183,14 @@ class CostModel:
             self._by_size[key] = m
         return m
 
-    def links_without_self(self, size: int) -> np.ndarray:
-        """`links(size)` with a huge diagonal, for minimum-over-others reductions."""
-        key = -size
-        m = self._by_size.get(key)
-        if m is None:
-            m = self.links(size).copy()
-            np.fill_diagonal(m, _NO_LINK)
-            m.setflags(write=False)
-            self._by_size[key] = m
-        return m
+    def block(self, size: int, rows: np.ndarray, cols) -> np.ndarray:
+        """`links(size)[rows][:, cols]` computed from the measurements (rows: an index array);
+        element by element the same arithmetic as the full matrix, so the same integers."""
+        with np.errstate(divide="ignore"):
+            sec = 2.0 * (self._lat[rows][:, cols] + self._fragment / (size * self._bw[rows][:, cols]))
+        col_ids = np.arange(self.n)[cols]
+        sec[rows[:, None] == col_ids[None, :]] = 0.0
+        return np.round(sec * NS_PER_SECOND).astype(np.int64)
 
     # --- evaluation -------------------------------------------------------------------------
 
@@ -196,15 +205,26 @@ class CostModel:
             cols = np.flatnonzero(np.isin(labels, gs))
             cols = cols[np.argsort(labels[cols], kind="stable")]
             starts = np.searchsorted(labels[cols], gs)
-            out[:, gs] = np.add.reduceat(self.links(int(size))[:, cols], starts, axis=1)
+            links = self.links(int(size))
+            for start in range(0, self.n, ROW_BLOCK):  # an N x |cols| gather would double the memory
+                stop = min(start + ROW_BLOCK, self.n)
+                out[start:stop, gs] = np.add.reduceat(links[start:stop][:, cols], starts, axis=1)
         return out
 
     def group_costs(self, labels: np.ndarray, sums: np.ndarray | None = None) -> np.ndarray:
         """DATAP-COST of every group in ns, shape (G,)."""
-        if sums is None:
-            sums = self.group_sums(labels)
-        own = sums[np.arange(self.n), labels]
         out = np.zeros(self.n_groups, dtype=np.int64)
+        if sums is None:
+            # Each group's own block only: O(sum of squared sizes), and no matrix per group size
+            # (a repaired assignment can have many sizes).
+            order = np.argsort(labels, kind="stable")
+            bounds = np.searchsorted(labels[order], np.arange(self.n_groups + 1))
+            for g in range(self.n_groups):
+                ms = order[bounds[g] : bounds[g + 1]]
+                if ms.size > 1:
+                    out[g] = self.block(int(ms.size), ms, ms).sum(axis=1).max()
+            return out
+        own = sums[np.arange(self.n), labels]
         np.maximum.at(out, labels, own)
         return out
 
@@ -282,7 +302,8 @@ def round_cost(assignment: Assignment, snapshot: SwarmSnapshot) -> CostBreakdown
     Peers of the assignment missing from the snapshot are ignored; snapshot peers missing from the
     assignment do not count (they are not training this round).
     """
-    known = [p for p in assignment.peers() if p in set(snapshot.peer_ids)]
+    ids = set(snapshot.peer_ids)
+    known = [p for p in assignment.peers() if p in ids]
     if not known:
         return CostBreakdown(
             0.0, 0.0, 0.0, 0.0, (0.0,) * assignment.n_paths, tuple(range(assignment.n_paths))

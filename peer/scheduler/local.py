@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from peer.scheduler.cost import CostModel
+from peer.scheduler.cost import ROW_BLOCK, CostModel
 
 NEG = np.int64(-(2**60))
 BIG = np.int64(2**60)
@@ -60,8 +60,13 @@ class State:
                 mask = self.counts[groups] == x
                 if y is not None:
                     mask &= self.counts[other] == y
-                matrix = self.m.links(x) if y is None else self.m.pair_links(x, y)
-                out[mask] = matrix[rows[mask], cols[mask]]
+                r, c = rows[mask], cols[mask]
+                if y is None:
+                    out[mask] = self.m.links(x)[r, c]
+                elif (pair := self.m.pair_links(x, y)) is not None:
+                    out[mask] = pair[r, c]
+                else:  # a large swarm: no cached sum, both sizes' costs gathered apiece
+                    out[mask] = self.m.links(x)[r, c] + self.m.links(y)[r, c]
         return out
 
     def own(self) -> np.ndarray:
@@ -131,10 +136,19 @@ def fastest_link_pass(st: State) -> int:
     n = st.m.n
     order = st.mem[st.valid]  # peers grouped by label
     starts = np.concatenate([[0], np.cumsum(st.counts)[:-1]])
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
     fast = None
     for size in {st.lo, st.hi}:
-        # rows of the symmetric matrix, grouped: contiguous copies, reduced along axis 0
-        f = np.minimum.reduceat(st.m.links_without_self(size)[order], starts, axis=0).T
+        # fast[i, g]: i's cheapest link into g other than to itself. The matrix is symmetric, so
+        # its rows, gathered by group, serve as columns; by blocks of columns to keep the
+        # temporaries small at large N, reduced along axis 0 (contiguous rows).
+        links, f = st.m.links(size), np.empty((n, st.m.n_groups), dtype=np.int64)
+        for start in range(0, n, ROW_BLOCK):
+            cols = np.arange(start, min(start + ROW_BLOCK, n))
+            part = links[order, start : cols[-1] + 1]
+            part[position[cols], cols - start] = BIG
+            f[cols] = np.minimum.reduceat(part, starts, axis=0).T
         fast = f if fast is None else np.where(st.counts[None, :] == size, f, fast)
     own_fast = fast[np.arange(n), st.labels]
     best, arg = _best_pairs(st, own_fast[:, None] - fast)

@@ -123,25 +123,33 @@ def _repair(kept: dict[str, int], newcomers: list[str], snapshot: SwarmSnapshot,
     """Newcomers go to the least-covered paths (the cheapest of those for them); then, if leavers
     unbalanced the groups, members move from the largest groups to the smallest, cheapest first."""
     path_of = dict(kept)
+    # members of each path, kept up to date, so that pricing a candidate costs its group's size
+    # and not a scan of the whole swarm (thousands of candidates at 10k peers)
+    members: list[set[str]] = [set() for _ in range(n_paths)]
+    for q, x in path_of.items():
+        members[x].add(q)
 
     def cost_with(p: str, path: int) -> float:
-        trial = dict(path_of)
-        trial[p] = path
-        members = [q for q, x in trial.items() if x == path]
-        return round_cost(Assignment({q: path for q in members}, n_paths), snapshot).communication_seconds
+        group = members[path] | {p}
+        return round_cost(Assignment(dict.fromkeys(group, path), n_paths), snapshot).communication_seconds
+
+    def assign(p: str, path: int) -> None:
+        if p in path_of:
+            members[path_of[p]].discard(p)
+        path_of[p] = path
+        members[path].add(p)
 
     for p in newcomers:
-        counts = np.bincount(list(path_of.values()), minlength=n_paths) if path_of else np.zeros(n_paths, int)
+        counts = np.array([len(m) for m in members])
         least = np.flatnonzero(counts == counts.min())
-        path_of[p] = int(min(least, key=lambda x: (cost_with(p, int(x)), x)))
+        assign(p, int(min(least, key=lambda x: (cost_with(p, int(x)), x))))
     while path_of:
-        counts = np.bincount(list(path_of.values()), minlength=n_paths)
+        counts = np.array([len(m) for m in members])
         big, small = int(np.argmax(counts)), int(np.argmin(counts))
         if counts[big] - counts[small] <= 1:
             break
-        members = sorted(q for q, x in path_of.items() if x == big)
-        pick = min(members, key=lambda q: (cost_with(q, small), q))
-        path_of[pick] = small
+        pick = min(sorted(members[big]), key=lambda q: (cost_with(q, small), q))
+        assign(pick, small)
     return Assignment(path_of, n_paths)
 
 

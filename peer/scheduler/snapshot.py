@@ -130,6 +130,8 @@ class SwarmSnapshot:
         """The same measurements restricted to some peers (unknown ids raise KeyError)."""
         idx = self.index()
         keep = np.array(sorted(idx[p] for p in set(peer_ids)), dtype=np.int64)
+        if keep.size == self.n_peers:  # everyone: the same read-only arrays, no N x N copy
+            return self
         return SwarmSnapshot(
             peer_ids=tuple(self.peer_ids[i] for i in keep),
             tokens_per_second=_ro(self.tokens_per_second[keep]),
@@ -167,6 +169,8 @@ class SwarmSnapshot:
             if v.shape != (n,):
                 raise ValueError(f"{name} has {v.size} values but there are {n} peers")
         order = np.argsort(np.array(ids, dtype=object), kind="stable")
+        if np.array_equal(order, np.arange(n)):  # already sorted: no N x N reordering copies
+            return cls._normalised(tuple(ids), tps, mem, lat, bw, grid)
         return cls._normalised(
             tuple(ids[i] for i in order),
             tps[order],
@@ -207,12 +211,15 @@ class SwarmSnapshot:
 
     @classmethod
     def _normalised(cls, ids, tps, mem, lat, bw, grid) -> SwarmSnapshot:
+        # Written for N in the tens of thousands: checks and fills work in place on the new
+        # symmetrised arrays (the inputs are never modified), with no N^2 boolean gathers.
         n = len(ids)
         off = ~np.eye(n, dtype=bool)
-        if np.any(np.isinf(lat)) or np.any(lat[~np.isnan(lat)] < 0):
-            raise ValueError("latency_seconds must be finite and >= 0")
-        if np.any(bw[off & ~np.isnan(bw)] <= 0):
-            raise ValueError("bandwidth_bytes_per_second must be > 0 between distinct peers")
+        with np.errstate(invalid="ignore"):
+            if np.any(np.isinf(lat)) or np.any(lat < 0):
+                raise ValueError("latency_seconds must be finite and >= 0")
+            if np.any((bw <= 0) & off):
+                raise ValueError("bandwidth_bytes_per_second must be > 0 between distinct peers")
         if np.any(tps[~np.isnan(tps)] <= 0) or np.any(np.isinf(tps)):
             raise ValueError("tokens_per_second must be finite and > 0")
         if np.any(mem[~np.isnan(mem)] < 0) or np.any(np.isinf(mem)):
@@ -220,15 +227,17 @@ class SwarmSnapshot:
         # The slower direction decides an exchange; fmax/fmin ignore a missing direction.
         lat = np.fmax(lat, lat.T)
         bw = np.fmin(bw, bw.T)
+        np.fill_diagonal(lat, np.nan)  # the diagonal is neither observed nor missing: set below
+        np.fill_diagonal(bw, np.nan)
+        lat_gap, bw_gap = np.isnan(lat), np.isnan(bw)
         filled = {
-            "links": int(np.sum(np.isnan(lat[off]) | np.isnan(bw[off])) // 2),
+            "links": int((np.count_nonzero(lat_gap | bw_gap) - n) // 2),
             "tokens_per_second": int(np.isnan(tps).sum()),
             "memory_bytes": int(np.isnan(mem).sum()),
         }
-        seen_lat = lat[off & ~np.isnan(lat)]
-        seen_bw = bw[off & ~np.isnan(bw)]
-        lat = np.where(np.isnan(lat), seen_lat.max() if seen_lat.size else DEFAULT_LATENCY_SECONDS, lat)
-        bw = np.where(np.isnan(bw), seen_bw.min() if seen_bw.size else DEFAULT_BANDWIDTH_BYTES_PER_SECOND, bw)
+        lat[lat_gap] = np.nanmax(lat) if not lat_gap.all() else DEFAULT_LATENCY_SECONDS
+        bw[bw_gap] = np.nanmin(bw) if not bw_gap.all() else DEFAULT_BANDWIDTH_BYTES_PER_SECOND
+        del lat_gap, bw_gap
         np.fill_diagonal(lat, 0.0)
         np.fill_diagonal(bw, np.inf)
         seen_tps = tps[~np.isnan(tps)]
@@ -250,7 +259,7 @@ class SwarmSnapshot:
 
 def _as_float(values, name: str) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype.kind in "fiu":
-        return values.astype(float)
+        return values.astype(float, copy=False)  # never written to: no copy of an N x N input
     try:
         arr = np.array(values, dtype=object)
         out = np.array(np.where(arr == None, np.nan, arr), dtype=float)  # noqa: E711 (elementwise)
