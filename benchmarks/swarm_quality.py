@@ -13,6 +13,17 @@ hash and averaging its modules with the other holders over the DHT), evaluates t
   batch-step budget, base included (the same tokens as the grid; DiPaCo's headline is composite
   <= 1.0 x this).
 
+With `--reroute_after_rounds R` (default 6, half the rounds) it also trains a second swarm of the
+same run with DiPaCo's re-routing phase: the run pauses after round R (its peers checkpoint and
+stop; the bootstrap stays up), `pathswarm run reroute` with the creator's key scores training
+documents with every path from the checkpoints and publishes a router that sends each to its best
+path (or says that it would not pay and publishes nothing), and the peers resume, take the new
+router at once and train their new shards to the end. Its composite (`composite_rerouted_ppl`,
+evaluated with the router the peers trained with last) stands beside the plain swarm's: whether
+re-routing pays. (The tool re-routes a run that keeps training too, fetching the paths from their
+holders: tests/test_reroute.py. Here rounds last 3 s, shorter than the scoring; in a real run they
+last minutes.)
+
 Settings default to `benchmarks.dipaco`'s (the in-process simulator), so the two composite/dense
 ratios can be read side by side. Writes DIR/swarm_quality.json, .png and .md.
 """
@@ -23,16 +34,19 @@ import argparse
 import json
 import math
 import os
+import re
+import signal
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/dipaco.py
 
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.dipaco import TARGET_RATIO, all_params_shape, dataset_spec, n_parameters, shared_fraction
-from peer.cli.local_swarm import LocalSwarm
+from dht.identity import load_identity
+from peer.cli.local_swarm import LOOPBACK, LocalSwarm
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, SyncConfig
 from peer.data.batches import encode_document
 from peer.data.sources import eval_documents, load_documents, split_of
@@ -48,6 +62,7 @@ from peer.offline.warm_start import make_base
 from peer.run.create import RunOptions, build_manifest
 from peer.run.rebuild import make_route
 from peer.run.record import save_record, sign_manifest
+from peer.run.router_versions import router_trained_with
 
 RUN = "quality"
 
@@ -69,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_eval_docs", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout_seconds", type=float, default=900.0, help="for the swarm's training")
+    p.add_argument(
+        "--reroute_after_rounds",
+        type=int,
+        default=6,
+        help="also train a swarm re-routed live after this many rounds (0: only the plain swarm)",
+    )
+    p.add_argument("--reroute_docs", type=int, default=1000, help="training documents the re-routing scores")
+    p.add_argument("--work_dir", type=Path, default=None, help="keep the run, logs and checkpoints here")
     return p.parse_args(argv)
 
 
@@ -92,35 +115,98 @@ def create_run(args: argparse.Namespace, folder: Path):
         RUN, model, dataset, seed=args.seed, seq_len=args.seq_len, inner_steps=args.inner_steps, inner=inner,
         outer=OuterOptimizerConfig(lr=0.7, momentum=0.9), sync=SyncConfig(), base=base, base_ref=ref,
     )  # fmt: skip
-    record = sign_manifest(manifest, RSAPrivateKey())
+    key, _ = load_identity(folder / "creator.key")  # `run reroute` signs router versions with it
+    record = sign_manifest(manifest, key)
     save_record(record, folder / "manifest.json")
     return manifest, base
 
 
-def train_swarm(args: argparse.Namespace, manifest, folder: Path) -> tuple[list[Path], float]:
+def train_swarm(
+    args: argparse.Namespace, manifest, folder: Path, reroute_after: int = 0
+) -> tuple[list[Path], float, dict]:
+    """The swarm's training. With `reroute_after` the run pauses after that many rounds (its peers
+    checkpoint and stop, the bootstrap stays), `pathswarm run reroute` scores the paths from the
+    checkpoints and publishes a router, and the peers resume on their re-routed shards to the end.
+    Returns the peers' checkpoint folders, the swarm's seconds and what the re-routing said."""
     n = manifest.model.n_paths
     rounds = args.steps_per_path // args.inner_steps
-    ckpts = [folder / "peers" / f"p{i}" for i in range(n)]
+    tag = "rerouted" if reroute_after else "plain"
+    ckpts = [folder / tag / f"p{i}" for i in range(n)]
+    rerouted: dict = {}
     started = time.monotonic()
     # peers of a run over local files are given the manifest (a run from the swarm may not name
     # local files outside --data_root); on the built-in corpus they join by name and fetch the base
     local = ["--manifest_path", str(folder / "manifest.json")] if args.data_files else []
-    with LocalSwarm(folder / "logs") as swarm:
+    with LocalSwarm(folder / f"logs-{tag}") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
-        for i in range(n):
-            swarm.start_peer(f"p{i}", [*local,
-                "--run", RUN, "--path", str(i), "--checkpoint_dir", str(ckpts[i]),
-                "--max_rounds", str(rounds), "--wait_for_peers", str(n), "--batch_size", str(args.batch_size),
-                "--torch_threads", "1",
-                "--rotate_every_rounds", "0", "--heartbeat_seconds", "2",
+
+        def train(upto: int, phase: str) -> None:
+            for i in range(n):
+                swarm.start_peer(f"p{i}{phase}", [*local,
+                    "--run", RUN, "--path", str(i), "--checkpoint_dir", str(ckpts[i]),
+                    "--max_rounds", str(upto), "--wait_for_peers", str(n),
+                    "--batch_size", str(args.batch_size), "--torch_threads", "1",
+                    "--rotate_every_rounds", "0", "--heartbeat_seconds", "2",
+                    *(["--resume"] if phase else []),
+                ])  # fmt: skip
+            for i in range(n):
+                left = max(60.0, args.timeout_seconds - (time.monotonic() - started))
+                if (code := swarm.wait(f"p{i}{phase}", timeout=left)) != 0:
+                    log = swarm.log_path(f"p{i}{phase}").read_text()[-2000:]
+                    raise SystemExit(f"peer p{i}{phase} exited with {code}: {log}")
+
+        if not reroute_after:
+            train(rounds, "")
+        else:
+            train(reroute_after, "")
+            swarm.spawn("reroute", ["run", "reroute", "--manifest_path", str(folder / "manifest.json"),
+                "--identity_path", str(folder / "creator.key"), "--initial_peers", *swarm.initial_peers,
+                "--host_maddrs", LOOPBACK, "--switch_after_rounds", "0", "--docs", str(args.reroute_docs),
+                "--eval_docs", "100", "--serve_seconds", str(args.timeout_seconds),
+                "--score_tokens", str(4 * args.seq_len), "--checkpoints", *map(str, ckpts),
             ])  # fmt: skip
-        for i in range(n):
-            code = swarm.wait(f"p{i}", timeout=max(60.0, args.timeout_seconds - (time.monotonic() - started)))
-            if code != 0:
-                raise SystemExit(
-                    f"peer p{i} exited with {code}: {swarm.log_path(f'p{i}').read_text()[-2000:]}"
-                )
-    return ckpts, time.monotonic() - started
+            log = swarm.log_path("reroute")
+            wait_for_text(
+                log, ("peer(s) switched", "not published"), swarm.procs["reroute"], args.timeout_seconds
+            )
+            train(rounds, "-resumed")
+            rerouted = _reroute_said(log.read_text(), swarm.log_path("p0-resumed").read_text())
+    return ckpts, time.monotonic() - started, rerouted
+
+
+def wait_for_text(log: Path, texts: tuple[str, ...], proc, timeout: float) -> None:
+    """Until `log` holds one of `texts` (the tool published, or said why not), or its process ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if any(t in text for t in texts) or proc.poll() is not None:
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"pathswarm run reroute said nothing in {timeout:.0f} s")
+
+
+def _reroute_said(log: str, peer_log: str) -> dict:
+    """What `run reroute` printed (documents moved, held-out losses now) and when p0 switched."""
+    said: dict = {}
+    m = re.search(r"held-out loss from ([\d.]+) to ([\d.]+) .*: not published", log)
+    if m is not None:  # the tool found that the new router would not pay, and said so
+        return dict(router_version=0, not_published=True, held_out_loss_now=float(m[1]),
+                    held_out_loss_rerouted=float(m[2]))  # fmt: skip
+    m = re.search(r"router version (\d+): (\d+) of (\d+) training documents change path; .* ([\d.]+)x", log)
+    if m is None:
+        raise SystemExit(
+            "pathswarm run reroute published no router before the peers finished (a smaller "
+            f"--reroute_after_rounds or --reroute_docs gives it time): {log[-1500:]}"
+        )
+    said.update(router_version=int(m[1]), documents_changed=int(m[2]), documents_scored=int(m[3]),
+                rerouted_balance=float(m[4]))  # fmt: skip
+    m = re.search(r"routed as now ([\d.]+), re-routed ([\d.]+), best path per document ([\d.]+)", log)
+    if m:
+        said.update(held_out_loss_now=float(m[1]), held_out_loss_rerouted=float(m[2]),
+                    held_out_loss_best_path=float(m[3]))  # fmt: skip
+    m = re.search(r"router version \d+ from round (\d+)", peer_log)  # the resumed peer's log
+    said["p0_switched_at_round"] = int(m[1]) if m else None
+    return said
 
 
 def dense_from_base(args, manifest, base, train: list[str], tok, steps: int) -> PathModel:
@@ -145,8 +231,13 @@ def plot(out: Path, r: dict) -> None:
 
     names = ["composite (live swarm)", "dense (path size)", "dense (all params)"]
     ppls = [r["composite_ppl"], r["dense_ppl"], r["dense_all_params_ppl"]]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bars = ax.bar(names, ppls, color=["#1f77b4", "#888888", "#555555"])
+    colors = ["#1f77b4", "#888888", "#555555"]
+    if "composite_rerouted_ppl" in r:
+        names.insert(1, "composite,\n" + _rerouted_label(r).replace(": ", ":\n"))
+        ppls.insert(1, r["composite_rerouted_ppl"])
+        colors.insert(1, "#2ca02c")
+    fig, ax = plt.subplots(figsize=(1.9 * len(names) + 1.5, 4.5))
+    bars = ax.bar(names, ppls, color=colors)
     ax.bar_label(bars, labels=[f"{p:.3f}" for p in ppls])
     ax.axhline(TARGET_RATIO * r["dense_ppl"], ls="--", color="red", lw=1, label=f"{TARGET_RATIO} x dense")
     ax.set_ylabel("held-out perplexity (tokens after the first 32)")
@@ -160,6 +251,12 @@ def plot(out: Path, r: dict) -> None:
     plt.close(fig)
 
 
+def _rerouted_label(r: dict) -> str:
+    if r["reroute"].get("not_published"):
+        return f"second swarm: the re-routing at round {r['reroute_after_rounds']} declined"
+    return f"re-routed after round {r['reroute_after_rounds']}"
+
+
 def verdict(ratio: float, target: float) -> str:
     return "met" if ratio <= target else "missed"
 
@@ -170,6 +267,14 @@ def table(r: dict) -> str:
         "|---|---:|---:|---:|---:|",
         f"| composite (live swarm, {r['grid']}) | {r['grid_params']:,} | {r['warm_start_steps']} + "
         f"{r['paths']} × {r['steps_per_path']} | {r['composite_ppl']:.3f} | — |",
+        *(
+            [
+                f"| composite (live swarm, {_rerouted_label(r)}) | "
+                f"{r['grid_params']:,} | same | {r['composite_rerouted_ppl']:.3f} | — |"
+            ]
+            if "composite_rerouted_ppl" in r
+            else []
+        ),
         f"| dense, path size, from the base | {r['path_params']:,} | {r['warm_start_steps']} + "
         f"{r['dense_steps']} | {r['dense_ppl']:.3f} | {r['ratio']:.3f} |",
         f"| dense, all params, from scratch | {r['dense_all_params_params']:,} "
@@ -180,29 +285,66 @@ def table(r: dict) -> str:
         f"(target <= 1.0: {verdict(r['ratio_all_params'], 1.0)}); "
         f"shared fraction {r['shared_fraction']:.2f}; routing balance {r['routing_balance']:.2f}x; "
         f"swarm {r['swarm_seconds']:.0f} s, "
-        f"all {r['wall_seconds']:.0f} s",
+        + (
+            f"re-routed swarm {r['rerouted_swarm_seconds']:.0f} s (composite / dense "
+            f"{r['ratio_rerouted']:.3f}, / dense all params {r['ratio_all_params_rerouted']:.3f}, "
+            f"/ plain composite {r['rerouted_vs_plain']:.3f}), "
+            if "composite_rerouted_ppl" in r
+            else ""
+        )
+        + f"all {r['wall_seconds']:.0f} s",
     ]
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # a SIGTERM unwinds like Ctrl-C, so the local swarm's processes are stopped with it
+    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {s}")))
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = args.out / "run"
+    # the run, its logs and checkpoints stay out of the results folder (kept with --work_dir)
+    work = tempfile.TemporaryDirectory(prefix="pathswarm-quality-") if args.work_dir is None else None
+    try:
+        return _measure(args, Path(work.name) if work else args.work_dir, started)
+    finally:
+        if work is not None:
+            work.cleanup()
+
+
+def composite_of(manifest, base, ckpts: list[Path], folder: Path, docs: list[str], tok) -> dict:
+    """The composite of one swarm's checkpoints, routed as `pathswarm eval` routes: with the router
+    the peers trained with last."""
+    checkpoints = read_checkpoints(manifest, ckpts)
+    folders = [folder / "artifacts", *(Path(c) / "artifacts" for c in ckpts)]
+    version, router = router_trained_with([c.meta for c in checkpoints], folders)
+    route = make_route(manifest, base, folders, router=router)
+    routed = route_documents(route, [encode_document(tok, d) for d in docs])
+    result = evaluate(assemble_grid(manifest, checkpoints), docs, tok, route, context=manifest.seq_len,
+                      routed=routed)  # fmt: skip
+    counts = [routed.count(p) for p in range(manifest.model.n_paths)]
+    return dict(
+        result=result,
+        route=route,
+        routed=routed,
+        steps=path_steps(manifest, checkpoints),
+        balance=max(counts) / max(1, min(counts)),
+        router_versions=[int(c.meta.get("router_version") or 0) for c in checkpoints],
+    )
+
+
+def _measure(args: argparse.Namespace, folder: Path, started: float) -> dict:
     torch.manual_seed(args.seed)
     manifest, base = create_run(args, folder)
-    ckpts, swarm_seconds = train_swarm(args, manifest, folder)
-
+    ckpts, swarm_seconds, _ = train_swarm(args, manifest, folder)
     tok = ByteTokenizer()
-    checkpoints = read_checkpoints(manifest, ckpts)
-    grid = assemble_grid(manifest, checkpoints)
-    steps = path_steps(manifest, checkpoints)
-    route = make_route(manifest, base, [folder / "artifacts"])
     docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
-    routed = route_documents(route, [encode_document(tok, d) for d in docs])
-    composite = evaluate(grid, docs, tok, route, context=manifest.seq_len, routed=routed)
-    counts = [routed.count(p) for p in range(manifest.model.n_paths)]
+    plain = composite_of(manifest, base, ckpts, folder, docs, tok)
+    composite, route, routed, steps = plain["result"], plain["route"], plain["routed"], plain["steps"]
+    rerouted = None
+    if args.reroute_after_rounds:
+        r_ckpts, r_seconds, said = train_swarm(args, manifest, folder, args.reroute_after_rounds)
+        rerouted = composite_of(manifest, base, r_ckpts, folder, docs, tok)
 
     train = [d for d in load_documents(manifest.dataset) if split_of(d, manifest.dataset) == "train"]
     per_path = max(steps.values())
@@ -234,11 +376,27 @@ def main(argv: list[str] | None = None) -> dict:
         ratio=composite.ppl / dense.ppl,
         ratio_all_params=composite.ppl / dense_big.ppl,
         shared_fraction=shared_fraction(manifest.model),
-        routing_balance=max(counts) / max(1, min(counts)),
+        routing_balance=plain["balance"],
         eval_docs=len(docs),
         swarm_seconds=swarm_seconds,
         wall_seconds=time.monotonic() - started,
     )
+    if rerouted is not None:
+        ppl = rerouted["result"].ppl
+        results.update(
+            composite_rerouted_ppl=ppl,
+            ratio_rerouted=ppl / dense.ppl,
+            ratio_all_params_rerouted=ppl / dense_big.ppl,
+            rerouted_vs_plain=ppl / composite.ppl,
+            reroute_after_rounds=args.reroute_after_rounds,
+            reroute=said,
+            rerouted_peer_router_versions=rerouted["router_versions"],
+            rerouted_routing_balance=rerouted["balance"],
+            rerouted_path_steps={str(p): s for p, s in rerouted["steps"].items()},
+            rerouted_swarm_seconds=r_seconds,
+            wall_seconds=time.monotonic() - started,
+        )
+        assert math.isfinite(ppl)
     (args.out / "swarm_quality.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(args.out / "swarm_quality.png", results)
     text = table(results)

@@ -21,6 +21,8 @@ STASH_TTL_SECONDS = 300.0
 ARTIFACTS_TTL_SECONDS = 300.0
 #: Every peer holding a verified manifest re-publishes it this often, with this TTL.
 MANIFEST_TTL_SECONDS = 300.0
+#: A router version (`pathswarm run reroute`) is re-published by the peers that switched to it.
+ROUTER_TTL_SECONDS = 300.0
 #: A reader keeps at most this many claims of one run (a flood of keys cannot grow its memory).
 MAX_CLAIMS_PER_RUN = 4096
 #: No record may claim to live longer than this (a forged far-future expiry is refused).
@@ -69,6 +71,14 @@ def artifacts_key(run_name: str, run_id: str) -> str:
     return f"{run_namespace(run_name, run_id)}_artifacts"
 
 
+def router_key(run_name: str, run_id: str) -> str:
+    """Router versions after the manifest's (DiPaCo's discriminative re-routing): signed by the run's
+    creator (`pathswarm run reroute`), re-published unchanged by every peer that switched to one,
+    each under its own owner subkey; TTL ROUTER_TTL_SECONDS. Readers keep the highest version whose
+    creator signature verifies."""
+    return f"{run_namespace(run_name, run_id)}_router"
+
+
 def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
     """Keys whose records have a schema, by record kind; the validator is built from this."""
     keys = {"manifest": manifest_key(run_name)}
@@ -77,4 +87,5 @@ def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
         keys["probe"] = probes_key(run_name, run_id)
         keys["stash"] = stash_key(run_name, run_id)
         keys["artifacts"] = artifacts_key(run_name, run_id)
+        keys["router"] = router_key(run_name, run_id)
     return keys

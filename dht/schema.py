@@ -169,10 +169,30 @@ class ArtifactsRecord(Record):
         return v
 
 
+class RouterRecord(Record):
+    """A router version after the manifest's, as the run's creator signed it. `payload_json` names
+    the run, the version, the round from which peers route with it and the router file by hash
+    (peer/run/router_versions.py parses it); `signature` is the creator's RSA signature of its
+    sha256. Anyone may re-publish the record; only the creator's key makes one that verifies."""
+
+    run_id: str
+    router_version: int = Field(ge=1, lt=1 << 31)
+    payload_json: str = Field(max_length=4096)
+    signature: bytes = Field(max_length=4096)
+
+    @field_validator("run_id")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _HEX64.match(v):
+            raise ValueError("run_id must be 64 lowercase hex characters")
+        return v
+
+
 SCHEMAS: dict[str, type[Record]] = {
     "manifest": ManifestRecord,
     "claim": ClaimRecord,
     "probe": ProbeRecord,
     "stash": StashRecord,
     "artifacts": ArtifactsRecord,
+    "router": RouterRecord,
 }

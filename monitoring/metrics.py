@@ -73,6 +73,11 @@ class PeerMetrics:
             "Outer rounds this peer completed, across resumes (what --max_rounds limits).",
             registry=r,
         )
+        self.router_version = Gauge(
+            "pathswarm_router_version",
+            "The router version this peer routes its data with (0: the manifest's; `pathswarm run reroute`).",
+            registry=r,
+        )
         self.group_size = Gauge(
             "pathswarm_group_size", "Peers in the last outer round's group (1 when alone).", registry=r
         )
@@ -168,6 +173,9 @@ class PeerMetrics:
         """At a round's end: the swarm's round number and how many rounds this peer completed."""
         self.outer_round.set(swarm_round)
         self.own_rounds.set(own_rounds)
+
+    def set_router_version(self, version: int) -> None:
+        self.router_version.set(version)
 
     def add_bytes(self, sent: int, received: int) -> None:
         """Count traffic outside outer rounds (e.g. DHT, fetching modules from holders)."""

@@ -16,7 +16,8 @@ circle):
 8. `swarm/` — manifest in the DHT, claims, probes, planning, a peer's membership
 9. `training/` — the inner step, the round history, the `Peer` (lifecycle and loop)
 10. `offline/` — research tools without a swarm: simulator, experiments, evaluation, export;
-    `monitor/` — the swarm monitor (imports dht, monitoring, config, model.grid and run only)
+    `monitor/` — the swarm monitor (imports dht, monitoring, config, model.grid and run only);
+    `reroute` — DiPaCo's re-routing of a live run by its creator (`pathswarm run reroute`)
 11. `cli/` — the `pathswarm` command, the demo and the local swarm launcher
 """
 

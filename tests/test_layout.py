@@ -32,6 +32,7 @@ LAYERS = {
     "peer.training": 9,
     "peer.offline": 10,
     "peer.monitor": 10,
+    "peer.reroute": 10,
     "peer.cli": 11,
     "peer.__main__": 11,
 }

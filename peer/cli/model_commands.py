@@ -108,6 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from peer.offline.evaluation import evaluate
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.run.rebuild import check_tokenizer, make_route
+    from peer.run.router_versions import router_trained_with
     from peer.swarm.base_model import base_on_disk
 
     if args.max_docs is not None and args.max_docs < 1:
@@ -118,7 +119,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     folders = _artifact_folders(args)
     tok = check_tokenizer(manifest, folders)
     base = base_on_disk(manifest, folders)  # routing uses its features
-    route = make_route(manifest, base, folders)
+    # the router the peers trained with last: a re-routed run (`pathswarm run reroute`) is scored alike
+    version, router = router_trained_with([c.meta for c in ckpts], folders)
+    if version:
+        print(f"routing with router version {version}, the latest the checkpoints trained with")
+    route = make_route(manifest, base, folders, router=router)
     docs = eval_documents(manifest.dataset, limit=args.max_docs, shard_folders=folders)
     if not docs:
         raise ConfigError("the dataset has no held-out documents (dataset.eval_fraction is 0?)")
@@ -234,6 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from peer.offline.grid_checkpoints import assemble_grid, path_steps, read_checkpoints, refuse_untrained
     from peer.offline.inference import exported_tokenizer, generate, load_exported, read_export_config
     from peer.run.rebuild import check_tokenizer, make_route
+    from peer.run.router_versions import router_trained_with
     from peer.swarm.base_model import base_on_disk
 
     sampling = dict(
@@ -252,11 +258,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         manifest = load_manifest(args.manifest_path)
         folders = _artifact_folders(args)
         tok = check_tokenizer(manifest, folders)
-        # Route first, so only the chosen path's modules have to be in the checkpoints.
+        # Route first, so only the chosen path's modules have to be in the checkpoints; with the
+        # router the checkpoints trained with last (a re-routed run)
         ids = [tok.bos_id, *tok.encode(args.prompt)]
-        index = int(make_route(manifest, base_on_disk(manifest, folders), folders)([ids])[0])
-        path = path_from_index(manifest.model, index)
         ckpts = read_checkpoints(manifest, args.checkpoints)
+        router = router_trained_with([c.meta for c in ckpts], folders)[1]
+        index = int(make_route(manifest, base_on_disk(manifest, folders), folders, router=router)([ids])[0])
+        path = path_from_index(manifest.model, index)
         grid = assemble_grid(manifest, ckpts, paths=[path])
         refuse_untrained(
             manifest, path_steps(manifest, ckpts), {index: 1.0}, args.allow_untrained, "the prompt routes to"

@@ -1,7 +1,8 @@
-"""`pathswarm run create`: fit a run's router, sign its manifest, write it and publish it.
+"""`pathswarm run create`: fit a run's router, sign its manifest, write it and publish it;
+`pathswarm run reroute`: re-route a live run by its paths' losses (peer/run/reroute.py).
 
-The flags are the fields of `peer.run.create.RunOptions` (plus where to write and publish); the
-whole path from flags to manifest is `manifest_from_options`.
+`create`'s flags are the fields of `peer.run.create.RunOptions` (plus where to write and publish);
+the whole path from flags to manifest is `manifest_from_options`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,84 @@ def register(subparsers) -> dict[str, Handler]:
         "--manifest_path serve them and peers fetch them (no volunteer needs a copy or --data_root)",
     )
     c.add_argument("--no_publish", action="store_true", help="only write the file")
-    return {"run": cmd_run_create}
+
+    r = rsub.add_parser(
+        "reroute",
+        help="score documents with the live run's paths; publish a router sending each to its best path",
+    )
+    r.add_argument(
+        "--manifest_path",
+        type=Path,
+        required=True,
+        help="the run's signed manifest (its folder holds the artifacts; the new router is written there)",
+    )
+    r.add_argument(
+        "--identity_path", required=True, help="the key that created the run (it signs the router)"
+    )
+    r.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the run")
+    r.add_argument("--host_maddrs", nargs="*", default=None, help="multiaddrs to listen on")
+    r.add_argument("--docs", type=int, default=1000, help="training documents scored by every path")
+    r.add_argument("--eval_docs", type=int, default=200, help="held-out documents to compare the routings on")
+    r.add_argument("--max_share_ratio", type=float, default=3.0,
+                   help="largest path's share of the documents over the smallest's, at most")  # fmt: skip
+    r.add_argument("--checkpoints", nargs="*", type=Path, default=[],
+                   help="score a paused run from these checkpoint folders, not live holders")  # fmt: skip
+    r.add_argument("--at_round", type=int, default=0, help="wait until the swarm reaches this round")
+    r.add_argument("--force", action="store_true", help="publish even if it scores held-out documents worse")
+    r.add_argument("--score_tokens", type=int, default=512, help="score each document's first N tokens")
+    r.add_argument("--torch_threads", type=int, default=None, help="torch threads for the scoring")
+    r.add_argument(
+        "--switch_after_rounds", type=int, default=2, help="peers switch this many rounds from now"
+    )
+    r.add_argument(
+        "--wait_seconds", type=float, default=60.0, help="wait this long for every module's holder"
+    )
+    r.add_argument(
+        "--serve_seconds",
+        type=float,
+        default=600.0,
+        help="serve the router file at most this long (ends once every peer switched)",
+    )
+    return {"run": cmd_run}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return cmd_run_reroute(args) if args.run_command == "reroute" else cmd_run_create(args)
+
+
+def cmd_run_reroute(args: argparse.Namespace) -> int:
+    from peer.errors import ConfigError
+    from peer.reroute import RerouteOptions, reroute
+
+    setup_logging()
+    for flag, least in (("docs", 1), ("eval_docs", 0), ("switch_after_rounds", 0), ("score_tokens", 8),
+                        ("max_share_ratio", 1), ("at_round", 0)):  # fmt: skip
+        if getattr(args, flag) < least:
+            raise ConfigError(f"--{flag} must be >= {least}")
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    extra = {"host_maddrs": args.host_maddrs} if args.host_maddrs else {}
+    reroute(
+        RerouteOptions(
+            manifest_path=args.manifest_path,
+            identity_path=args.identity_path,
+            initial_peers=args.initial_peers,
+            docs=args.docs,
+            eval_docs=args.eval_docs,
+            score_tokens=args.score_tokens,
+            max_share_ratio=args.max_share_ratio,
+            at_round=args.at_round,
+            force=args.force,
+            checkpoints=args.checkpoints,
+            switch_after_rounds=args.switch_after_rounds,
+            wait_seconds=args.wait_seconds,
+            serve_seconds=args.serve_seconds,
+            **extra,
+        )
+    )
+    return 0
 
 
 def cmd_run_create(args: argparse.Namespace) -> int:
@@ -114,8 +192,10 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     print(f"manifest written to {args.out}; peers join with --run {manifest.name}@{record.run_id[:16]}")
     if manifest.base_checkpoint is not None:
         ref = manifest.base_checkpoint
-        print(f"base model {ref.sha256[:12]}… written to {artifacts}: a node started with --manifest_path "
-              f"{args.out} serves it")  # fmt: skip
+        print(
+            f"base model {ref.sha256[:12]}… written to {artifacts}: a node started with --manifest_path "
+            f"{args.out} serves it"
+        )
     if manifest.dataset.shards:
         print(f"data: {len(manifest.dataset.shards)} shards written to {artifacts}, served the same way")
     if not args.no_publish and getattr(args, "initial_peers", None):

@@ -35,14 +35,19 @@ def router_of(manifest: RunManifest, folders: Sequence[Path] = ()) -> Router:
 
 
 def make_route(
-    manifest: RunManifest, base: ModuleStates | None = None, folders: Sequence[Path] = ()
+    manifest: RunManifest,
+    base: ModuleStates | None = None,
+    folders: Sequence[Path] = (),
+    router: Router | None = None,
 ) -> Route:
     """The routing function every peer of the run shares; `base` is the run's base model, which a
     run that names one must pass (its router was fitted on the base's features); `folders`: where a
-    router file is (see `router_of`)."""
+    router file is (see `router_of`); `router`: a later router version (peer/run/router_versions.py)
+    instead of the manifest's, over the same features."""
     if (base is None) != (manifest.base_checkpoint is None):
         raise ConfigError("the router of a run with a base model needs the base, and only then")
-    return route_function(router_of(manifest, folders), feature_model(manifest.model, manifest.seed, base))
+    router = router if router is not None else router_of(manifest, folders)
+    return route_function(router, feature_model(manifest.model, manifest.seed, base))
 
 
 def check_tokenizer(manifest: RunManifest, folders: Sequence[Path] = ()) -> Tokenizer:

@@ -36,7 +36,7 @@ from peer.faults import fault_point
 from peer.model.base import ModuleStates, base_modules
 from peer.model.grid import parse_path, path_index, path_module_ids
 from peer.model.transformer import PathModel
-from peer.run.rebuild import check_tokenizer, make_route
+from peer.run.rebuild import check_tokenizer
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
 from peer.swarm.base_model import start_artifact_service
@@ -50,6 +50,7 @@ from peer.sync.service import SyncService
 from peer.training.history import RoundHistory
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 from peer.training.rotate import PathRotation
+from peer.training.router_switch import RouterSwitch
 from peer.training.startup_checks import check_data, check_memory
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
 
 
-class Peer(PathRotation):
+class Peer(PathRotation, RouterSwitch):
     """A volunteer's peer: joins a run, trains one path and keeps its modules in sync."""
 
     def __init__(self, config: PeerConfig):
@@ -70,6 +71,7 @@ class Peer(PathRotation):
         self.sync: PathSync | None = None
         self.metrics: PeerMetrics | None = None
         self.manifest: RunManifest | None = None
+        self.record: ManifestRecord | None = None
         self.run_id = ""
         self.step = 0
         self.tokens_total = 0
@@ -113,15 +115,15 @@ class Peer(PathRotation):
             self.dht, helpers_from(cfg.initial_peers), cfg.client_mode, cfg.use_auto_relay
         )
         logger.info(self.reachability.message)
-        self.manifest, record = self._join_run()
-        self.run_id = record.run_id
+        self.manifest, self.record = self._join_run()
+        self.run_id = self.record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         check_memory(self.manifest, cfg, self.device)
         self._data_root = check_data(self.manifest, cfg)
         self.base = self._obtain_artifacts()
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         self.membership = Membership(
-            self.dht, self.key, cfg, self.manifest, record, self._progress, self.device
+            self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device
         )
         self.membership.reachability = self.reachability.state
         self.membership.artifacts = self.artifacts
@@ -245,7 +247,7 @@ class Peer(PathRotation):
                 root=self._data_root,
                 shard_folders=self._artifact_folders(),
             ),
-            make_route(m, self.base, self._artifact_folders()),
+            self._route(),
             path_index(m.model, self.path),
             self.tokenizer,
             m.seq_len,
@@ -343,6 +345,7 @@ class Peer(PathRotation):
                 logger.error(f"checkpoint failed, training goes on: {e}")
                 self.metrics.checkpoint_failed()
         self.membership.announce()
+        self._follow_router()
         self._rotation = self._rotation_due()
 
     def _finishing(self) -> bool:
@@ -376,6 +379,7 @@ class Peer(PathRotation):
             history=self.history.entries[-200:],
             own_rounds=self.history.own_rounds,
             train_seconds=self.history.train_seconds,
+            **self._router_meta(),
         )
         path = save_checkpoint(
             Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
