@@ -334,7 +334,8 @@ def _kill_main(proc: subprocess.Popen, sig: int) -> None:
 
 def _row(r: dict) -> str:
     if "error" in r:
-        return f"| {r['nodes']} | stopped: {r['error']} |" + " |" * 7
+        why = r["error"].strip().splitlines()[-1][:240].replace("|", "/")
+        return f"| {r['nodes']} | stopped: {why} |" + " |" * 7
     leave, kill = r["visible_after_leave_seconds"], r["visible_after_kill_seconds"]
     if r["convergence_seconds_max"] is not None:
         converged = f"{r['convergence_seconds_max']:.1f} ({r['convergence_seconds_median']:.1f})"
