@@ -4,7 +4,10 @@ Each node is its own light process (benchmarks/dht_scale_node.py): a real pathsw
 does a peer's DHT work and nothing else — every 5 s it publishes its signed claim and reads the run's
 claim view, as a peer's heartbeat does. Every fourth node is in client mode, as a volunteer behind
 NAT would be (it stores and reads but serves no DHT requests). Node 0 is the bootstrap. Nodes start
-8 at a time. For each swarm size, in one run:
+8 at a time. The `--baseline_nodes` sizes run first with hivemind's DHT defaults (search beams of 20,
+every record validated in full each time it arrives: pathswarm before it narrowed its beams and
+remembered validations, dht/records.py and dht/validators.py), then the `--nodes` sizes with
+pathswarm's. For each swarm size, in one run:
 
 * `convergence_seconds`: from the last node's start until a node's view holds every node's claim
   (max and median over nodes);
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.dht_scale_report import HIVEMIND_DEFAULTS, PATHSWARM, row, write_report
 from dht.keys import CLAIM_TTL_SECONDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +64,9 @@ NODE_ENV = {"HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor", "HIVEMIND_SHM
 class Swarm:
     """The light nodes of one swarm size, in their own process groups, killed on any exit."""
 
-    def __init__(self, n: int, work: Path, heartbeat: float):
+    def __init__(self, n: int, work: Path, heartbeat: float, hivemind_defaults: bool = False):
         self.n, self.work, self.heartbeat = n, work, heartbeat
+        self.hivemind_defaults = hivemind_defaults
         self.procs: list[subprocess.Popen] = []
         self.ids: list[str | None] = [None] * n
 
@@ -97,6 +102,8 @@ class Swarm:
                 "--initial_peers", *initial_peers]  # fmt: skip
         # a starved machine answers slowly: a joiner waits longer than a peer's default 30 s
         argv += ["--startup_timeout_seconds", "120"]
+        if self.hivemind_defaults:
+            argv.append("--hivemind_defaults")
         if i % CLIENT_EVERY == CLIENT_EVERY - 1:
             argv.append("--client_mode")
         else:  # a server node: later joiners may start from it, as a real swarm's list several peers
@@ -232,11 +239,16 @@ def _gone_after(events: list[dict], departed: str, since: float) -> float | None
 
 
 def run_size(
-    n: int, work: Path, heartbeat: float = 5.0, steady_seconds: float = 60.0, departures: int = 2
+    n: int,
+    work: Path,
+    heartbeat: float = 5.0,
+    steady_seconds: float = 60.0,
+    departures: int = 2,
+    hivemind_defaults: bool = False,
 ) -> dict:
     """One swarm of `n` nodes: convergence, a steady window, then departures; see the module docstring."""
     work.mkdir(parents=True, exist_ok=True)
-    with Swarm(n, work, heartbeat) as swarm:
+    with Swarm(n, work, heartbeat, hivemind_defaults) as swarm:
         all_started = swarm.start()
         ids = set(swarm.ids)
         # a machine too small for the swarm shows as views that never hold every claim: recorded, not fatal
@@ -295,6 +307,7 @@ def run_size(
         left, dead = gone(leavers), gone(killed)
     return dict(
         nodes=n,
+        dht_settings=HIVEMIND_DEFAULTS if hivemind_defaults else PATHSWARM,
         client_nodes=sum(1 for i in range(1, n) if i % CLIENT_EVERY == CLIENT_EVERY - 1),
         converged_nodes=len(convergence),
         convergence_seconds_max=max(convergence) if len(convergence) == n else None,
@@ -332,117 +345,48 @@ def _kill_main(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _row(r: dict) -> str:
-    if "error" in r:
-        why = r["error"].strip().splitlines()[-1][:240].replace("|", "/")
-        return f"| {r['nodes']} | stopped: {why} |" + " |" * 7
-    leave, kill = r["visible_after_leave_seconds"], r["visible_after_kill_seconds"]
-    if r["convergence_seconds_max"] is not None:
-        converged = f"{r['convergence_seconds_max']:.1f} ({r['convergence_seconds_median']:.1f})"
-    else:
-        converged = (
-            f"no: {r['converged_nodes']}/{r['nodes']} views; the fullest read of each held "
-            f"≥ {100 * r['view_coverage_min']:.0f}% (median {100 * r['view_coverage_median']:.0f}%)"
-        )
-    work = r["heartbeat_work_seconds_median"]
-    late = f"{max(leave):.1f}" if leave else "—"
-    if r["still_visible_at_deadline"]:
-        late += f" ({r['still_visible_at_deadline']} pairs still visible)"
-    return (
-        f"| {r['nodes']} ({r['client_nodes']} client) | {converged} | {r['rpcs_per_node_per_minute']:.0f} "
-        f"({r['rpcs_per_node_per_minute_max']:.0f}) | {r['cpu_seconds_per_node_per_minute']:.2f} "
-        f"| {100 * r['machine_cpu_busy_fraction']:.0f}% | {work:.1f} "
-        f"| {r['rss_mib_per_node']:.0f} / {r['uss_mib_per_node']:.0f} | {late} | "
-        + (f"{min(kill):.1f}–{max(kill):.1f} |" if kill else "— |")
-    )
-
-
-def write_report(result: dict, out: Path) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = result["sizes"]
-    table = (
-        "| nodes | converged s, max (median) | DHT RPCs / node / min, mean (max) | CPU s / node / min "
-        "| machine busy | heartbeat's publish + read s, median "
-        "| RSS / USS MiB per node | left: visible s, max | killed: visible s |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(_row(r) for r in sizes) + "\n"
-    )
-    (out / "dht_scale.md").write_text(table)
-    sizes = [r for r in sizes if "error" not in r]
-    if not sizes:
-        return table
-    nan = float("nan")
-    ns = [r["nodes"] for r in sizes]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    conv = [nan if r["convergence_seconds_max"] is None else r["convergence_seconds_max"] for r in sizes]
-    axes[0].plot(ns, conv, "o-", label="all views hold every claim, s (max)")
-    axes[0].plot(ns, [r["heartbeat_work_seconds_median"] or nan for r in sizes], "s--",
-                 label="one heartbeat's publish + read, s (median)")  # fmt: skip
-    axes[0].axhline(sizes[0]["heartbeat_seconds"], color="grey", ls=":", label="heartbeat period")
-    for r in sizes:
-        if r["convergence_seconds_max"] is None:
-            axes[0].annotate(f"not converged:\nfullest views ≥ {100 * r['view_coverage_min']:.0f}%",
-                             (r["nodes"], r["heartbeat_work_seconds_median"] or 0), fontsize=8,
-                             textcoords="offset points", xytext=(-70, 12))  # fmt: skip
-    axes[0].set(xlabel="nodes", ylabel="seconds", title="claim views converge?")
-    axes[1].plot(ns, [r["rpcs_per_node_per_minute"] for r in sizes], "o-", label="mean")
-    axes[1].plot(ns, [r["rpcs_per_node_per_minute_max"] for r in sizes], "s--", label="max")
-    axes[1].set(xlabel="nodes", ylabel="RPCs sent per node per minute", title="DHT requests")
-    axes[2].plot(ns, [r["uss_mib_per_node"] for r in sizes], "o-", label="USS MiB")
-    axes[2].plot(ns, [r["rss_mib_per_node"] for r in sizes], "s--", label="RSS MiB")
-    twin = axes[2].twinx()
-    twin.plot(
-        ns, [r["cpu_seconds_per_node_per_minute"] for r in sizes], "^:", color="tab:red", label="CPU s/min"
-    )
-    twin.set_ylabel("CPU seconds per node per minute", color="tab:red")
-    axes[2].set(xlabel="nodes", ylabel="MiB per node", title="cost per node")
-    last = sizes[-1]
-    for key, label in (
-        ("visible_after_leave_seconds", "left (SIGTERM)"),
-        ("visible_after_kill_seconds", "killed"),
-    ):
-        values = sorted(last[key])
-        if not values:
-            continue
-        axes[3].step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
-    axes[3].axvline(last["claim_ttl_seconds"], color="grey", ls=":", label="claim TTL")
-    axes[3].set(xlabel="seconds the claim stays visible", ylabel="fraction of (departed, observer)",
-                title=f"after a departure, {last['nodes']} nodes")  # fmt: skip
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes[:3]:
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(out / "dht_scale.png", dpi=110)
-    return table
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.dht_scale", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--nodes", default="16,32,64", help="swarm sizes, one after another")
     p.add_argument("--heartbeat_seconds", type=float, default=5.0)
     p.add_argument("--steady_seconds", type=float, default=60.0)
+    p.add_argument(
+        "--baseline_nodes",
+        default="16,32",
+        help="sizes also run with hivemind's DHT defaults (beams of 20, no remembered validations), "
+        "first; '' for none",
+    )
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {s}")))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     sizes = []
     with tempfile.TemporaryDirectory(prefix="pathswarm-dht-scale-", ignore_cleanup_errors=True) as work:
-        for n in [int(x) for x in args.nodes.split(",")]:
-            print(f"{n} nodes ...", flush=True)
+        plan = [(int(x), True) for x in args.baseline_nodes.split(",") if x.strip()]
+        plan += [(int(x), False) for x in args.nodes.split(",")]
+        stopped: set[bool] = set()
+        for n, defaults in plan:
+            if defaults in stopped:
+                continue
+            settings = HIVEMIND_DEFAULTS if defaults else PATHSWARM
+            print(f"{n} nodes, {settings} ...", flush=True)
             try:
-                sizes.append(run_size(n, Path(work) / str(n), args.heartbeat_seconds, args.steady_seconds))
-            # the machine's limit (memory, a node that could not join): in the report, and no bigger size
+                sizes.append(
+                    run_size(
+                        n,
+                        Path(work) / f"{n}-{int(defaults)}",
+                        args.heartbeat_seconds,
+                        args.steady_seconds,
+                        hivemind_defaults=defaults,
+                    )  # fmt: skip
+                )
+            # the machine's limit (memory, a node that could not join): in the report, and no bigger
+            # size with the same settings
             except (MemoryError, TimeoutError, RuntimeError) as e:
-                sizes.append({"nodes": n, "error": str(e)})
-                print(_row(sizes[-1]), flush=True)
-                break
-            print(_row(sizes[-1]), flush=True)
+                sizes.append({"nodes": n, "dht_settings": settings, "error": str(e)})
+                stopped.add(defaults)
+            print(row(sizes[-1]), flush=True)
     result = dict(
         sizes=sizes,
         wall_seconds=time.monotonic() - started,

@@ -25,6 +25,7 @@ from pathlib import Path
 import hivemind
 from hivemind.dht.protocol import DHTProtocol
 
+from dht import records
 from dht.node import start_dht
 from dht.schema import ClaimRecord
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
@@ -78,7 +79,15 @@ def main() -> None:
     p.add_argument("--counts", type=Path, required=True)
     p.add_argument("--address_file", type=Path, default=None, help="write this node's maddrs here")
     p.add_argument("--startup_timeout_seconds", type=float, default=30.0)
+    p.add_argument(
+        "--hivemind_defaults",
+        action="store_true",
+        help="search beams of hivemind's default width and every record validated in full on arrival "
+        "(pathswarm before it remembered validations and narrowed its beams)",
+    )
     args = p.parse_args()
+    if args.hivemind_defaults:
+        records.SEARCH_BEAM_SIZE = None  # store_record and read_records then use hivemind's default
     _count_calls()
     _write_counts_in_the_dht_process(args.counts)
     stop = threading.Event()
@@ -89,6 +98,7 @@ def main() -> None:
         run_name=args.run_name,
         run_id=args.run_id,
         startup_timeout_seconds=args.startup_timeout_seconds,
+        remember_validations=not args.hivemind_defaults,
     )
     if args.address_file is not None:
         args.address_file.write_text(json.dumps([str(m) for m in dht.get_visible_maddrs()]))

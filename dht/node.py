@@ -20,7 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.startup_errors import explain_start_failure
-from dht.validators import RecordSchemaValidator
+from dht.validators import RecordSchemaValidator, RememberedValidation
 from peer.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ def start_dht(
     use_relay: bool = True,
     use_auto_relay: bool = False,
     public: bool = False,
+    remember_validations: bool = True,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given).
 
@@ -114,7 +115,8 @@ def start_dht(
     circuit-relay handler at start with go-libp2p's default limits, 128 KiB and 2 minutes per
     relayed connection (too little for one module's state), and replaces it with its configured
     relay service (4 GiB, 30 minutes) only once AutoNAT finds the node public, which a small swarm
-    may never confirm.
+    may never confirm. `remember_validations=False` checks every record in full each time it
+    arrives, as hivemind does (benchmarks/dht_scale.py measures both).
     """
     key, identity_file = load_identity(identity_path)
     initial_peers = check_maddrs(initial_peers, "--initial_peers")
@@ -149,7 +151,10 @@ def start_dht(
     kwargs["identity_path"] = str(identity_file)  # the signing key is the peer id, always
     try:
         dht = hivemind.DHT(
-            initial_peers=initial_peers or None, start=True, record_validators=validators, **kwargs
+            initial_peers=initial_peers or None,
+            start=True,
+            record_validators=[RememberedValidation(validators)] if remember_validations else validators,
+            **kwargs,
         )
     except Exception as e:
         raise SwarmError(explain_start_failure(e, initial_peers, str(identity_file))) from None
