@@ -103,9 +103,10 @@ def write_report(result: dict, out: Path) -> str:
                 title=f"after a departure, {last['nodes']} nodes")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left" if ax is axes[0] else "best")
     for ax in axes[:3]:
         ax.set_ylim(bottom=0)
+    axes[0].set_ylim(top=1.9 * axes[0].get_ylim()[1])  # room for the legend above the lines
     fig.tight_layout()
     fig.savefig(out / "dht_scale.png", dpi=110)
     return table
