@@ -40,8 +40,9 @@ def sync_group(
     report_timeout: float = 2.0,
     max_delta_norm: float = 0.0,
     left: set[str] | None = None,
+    fragments: int = 1,
 ):
-    """n members holding one module of one fragment of `numel` numbers; every member counts the
+    """n members holding one module of `fragments` fragments of `numel` numbers each; every member counts the
     others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
     leaving claims)."""
     left = set() if left is None else left
@@ -50,7 +51,9 @@ def sync_group(
         for _ in range(n):
             dht, _ = dht_factory()
             c = make_codec(codec)
-            inbox = Inbox({MODULE: [numel]}, c, lambda peer, module: peer not in left, 32, max_delta_norm)
+            inbox = Inbox(
+                {MODULE: [numel] * fragments}, c, lambda peer, module: peer not in left, 32, max_delta_norm
+            )
             service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30)
             settings = RoundSettings(averaging_timeout, report_timeout, AggregatorConfig(method=aggregator))
             members.append(Member(service, RoundRunner(service, c, settings)))

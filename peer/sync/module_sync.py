@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,13 +38,26 @@ def state_digest(global_flat: torch.Tensor, momentum: torch.Tensor) -> str:
     """sha256 of a fragment's global copy and momentum, as little-endian float32 bytes."""
     h = hashlib.sha256()
     for t in (global_flat, momentum):
-        h.update(t.detach().to(torch.float32).contiguous().numpy().tobytes())
+        # hashed from the tensor's own memory: a copy to bytes would cost as much as the hash
+        h.update(t.detach().to(torch.float32).contiguous().numpy().data)
     return h.hexdigest()
 
 
 def module_digest(fragment_digests: list[str]) -> str:
     """One digest of a module's whole state, from its fragments' digests in order."""
     return hashlib.sha256("".join(fragment_digests).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A fragment's outer step computed ahead of its installation (`ModuleSync.prepare_step`)."""
+
+    #: the state it was computed from (the very tensors: `apply` replaces them, never writes into them)
+    theta_before: torch.Tensor
+    momentum_before: torch.Tensor
+    theta: torch.Tensor
+    momentum: torch.Tensor
+    digest: str
 
 
 class ModuleSync:
@@ -116,24 +130,35 @@ class ModuleSync:
         return module_digest([self.digest(f) for f in range(self.n_fragments)])
 
     @torch.no_grad()
-    def _outer_step(self, fragment: int, delta: torch.Tensor) -> None:
-        """SGD with (Nesterov) momentum on θ̄, one rounding per element-wise operation."""
+    def prepare_step(self, fragment: int, delta: torch.Tensor) -> PreparedStep:
+        """The fragment's outer step computed from its current θ̄ and momentum without installing
+        it: SGD with (Nesterov) momentum, one rounding per element-wise operation, and the digest of
+        the result. Reads the state and writes nothing, so it may run on a thread of its own while
+        the training thread goes on (`apply` then installs it if the state is still the one read)."""
         o = self.outer
-        g = delta.to(torch.float32).reshape(self.global_flats[fragment].shape)
+        theta, momentum = self.global_flats[fragment], self.momenta[fragment]
+        g = delta.to(torch.float32).reshape(theta.shape)
         if self.delta_scale != 1.0:
             g = torch.mul(g, self.delta_scale)
         if o.momentum > 0:
-            buf = torch.add(torch.mul(self.momenta[fragment], o.momentum), g)
-            self.momenta[fragment] = buf
+            buf = torch.add(torch.mul(momentum, o.momentum), g)
             update = torch.add(g, torch.mul(buf, o.momentum)) if o.nesterov else buf
         else:
-            update = g
-        self.global_flats[fragment] = torch.sub(self.global_flats[fragment], torch.mul(update, o.lr))
+            buf, update = momentum, g
+        new_theta = torch.sub(theta, torch.mul(update, o.lr))
+        return PreparedStep(theta, momentum, new_theta, buf, state_digest(new_theta, buf))
 
     @torch.no_grad()
-    def apply(self, fragment: int, delta: torch.Tensor, alpha: float = 0.0) -> None:
-        """Outer step on θ̄ of the fragment with the group's Δ̄, then θ_local ← α·θ_local + (1−α)·θ̃."""
-        self._outer_step(fragment, delta)
+    def apply(
+        self, fragment: int, delta: torch.Tensor, alpha: float = 0.0, prepared: PreparedStep | None = None
+    ) -> None:
+        """Outer step on θ̄ of the fragment with the group's Δ̄, then θ_local ← α·θ_local + (1−α)·θ̃.
+        `prepared` (from `prepare_step` with the same Δ̄) is used only if it was computed from the
+        state the fragment holds now; otherwise the step is computed here."""
+        theta, momentum = self.global_flats[fragment], self.momenta[fragment]
+        if prepared is None or prepared.theta_before is not theta or prepared.momentum_before is not momentum:
+            prepared = self.prepare_step(fragment, delta)
+        self.global_flats[fragment], self.momenta[fragment] = prepared.theta, prepared.momentum
         g = self.global_flats[fragment]
         if alpha == 0.0:
             self.plan.scatter(g, self.local_params, fragment)
@@ -141,7 +166,7 @@ class ModuleSync:
             local = self.plan.gather(self.local_params, fragment)
             self.plan.scatter(alpha * local + (1 - alpha) * g, self.local_params, fragment)
         self.fragment_rounds[fragment] += 1
-        self._digests[fragment] = None
+        self._digests[fragment] = prepared.digest
 
     def fragment_copy(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fragment's θ̄ and outer momentum (replaced, never written in place, by a round)."""

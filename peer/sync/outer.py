@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ from monitoring.metrics import PeerMetrics
 from peer.config import RunManifest
 from peer.faults import fault_point
 from peer.sync.fragments import fragments_due, sync_offsets
-from peer.sync.module_sync import ModuleSync
+from peer.sync.module_sync import ModuleSync, PreparedStep
 from peer.sync.rounds import RoundResult, RoundRunner
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,15 @@ class PendingSync:
     #: each module's digest of the copy it reported at the start
     digests: dict[str, str] = field(default_factory=dict)
     results: dict[str, RoundResult] = field(default_factory=dict)
+    #: each module's outer step, computed off the training thread as soon as its round ended
+    prepared: dict[str, Future] = field(default_factory=dict)
+
+
+#: One thread, shared by every path of the process, computes outer steps and their digests when
+#: rounds end, so that the training thread only installs them: on a peer whose training thread
+#: has a fixed budget (an accelerator's host thread, the WAN lab's quota) this work is overlapped
+#: with inner steps like the round's communication is.
+_STEP_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-step")
 
 
 @dataclass
@@ -260,8 +270,21 @@ class StreamingOuter:
             pending.deltas[mid] = delta
             pending.epochs[mid] = ms.epoch
             pending.digests[mid] = digest
-            pending.futures[mid] = self.runner.start(key, delta, weight, members, digest, payload)
+            future = self.runner.start(key, delta, weight, members, digest, payload)
+            pending.futures[mid] = future
+            future.add_done_callback(self._prepare_when_done(pending, mid, ms, fragment))
         self.pending.append(pending)
+
+    @staticmethod
+    def _prepare_when_done(pending: PendingSync, mid: str, ms: ModuleSync, fragment: int):
+        def prepare(future: Future) -> None:
+            if future.cancelled() or future.exception() is not None:
+                return
+            result = future.result()
+            if result.outcome != "behind":
+                pending.prepared[mid] = _STEP_POOL.submit(ms.prepare_step, fragment, result.delta)
+
+        return prepare
 
     def _finish(self, pending: PendingSync, step: int) -> FragmentDone:
         self.pending.remove(pending)
@@ -294,7 +317,7 @@ class StreamingOuter:
                 ms.keep_unsent(fragment, pending.deltas[mid], torch.zeros(()) if unsent else None)
             if r.merge_with and self.on_merge is not None:
                 self.on_merge(ms, fragment, pending.digests[mid], r.merge_with)
-            ms.apply(fragment, r.delta, self.sync.mixing_alpha)
+            ms.apply(fragment, r.delta, self.sync.mixing_alpha, _prepared(pending, mid, r))
             if self.on_applied is not None:
                 self.on_applied(ms, fragment, r)
             self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
@@ -305,3 +328,20 @@ class StreamingOuter:
             if r.outcome not in ("averaged", "alone"):
                 logger.warning(f"{mid} fragment {fragment}: {r.outcome} ({r.detail})")
         return FragmentDone(fragment, step, pending.results, self.overlap.tau)
+
+
+def _prepared(pending: PendingSync, mid: str, result: RoundResult) -> PreparedStep | None:
+    """The module's outer step computed in the background for this round's Δ̄, if it was (it is
+    not when the round failed and our own Δ is applied instead, nor when the training thread got
+    here first)."""
+    future = pending.prepared.get(mid)
+    if future is None:
+        return None
+    round_future = pending.futures[mid]
+    if round_future.exception() is not None or round_future.result() is not result:
+        return None
+    try:
+        return future.result()
+    except Exception:
+        logger.exception(f"{mid}: the outer step computed in the background failed; computing it again")
+        return None
