@@ -37,6 +37,7 @@ def error_lines(stderr: str) -> list[str]:
         (["peer", "--run", "demo"], "--initial_peers"),
         (["peer", "--run", "demo", "--new_swarm"], "--manifest_path"),
         (["peer", "--run", "demo", "--initial_peers", "not-a-multiaddr"], "multiaddress"),
+        (["run", "create", "--name", "r", "--out", "unused", "--outer_momentum", "1"], "outer_momentum"),
         (
             ["peer", "--run", "demo", "--new_swarm", "--manifest_path", "m.json", "--resume"],
             "--checkpoint_dir",
@@ -106,6 +107,23 @@ def test_config_mistakes_are_refused_by_the_config_tree(values, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         load_peer_config({**base, **values})
     assert "\n" not in str(err.value)
+
+
+def test_run_create_sets_the_outer_step_and_warns_of_a_sparse_codec_under_dilocos(caplog):
+    from peer.run.create import RunOptions, manifest_from_options
+
+    def manifest(**options):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="peer.run.create"):
+            m = manifest_from_options(RunOptions(name="r", grid="1x1", **options))
+        return m, [r.getMessage() for r in caplog.records if "learns slowly" in r.getMessage()]
+
+    m, warned = manifest(codec="sparse", outer_lr=8.0, outer_momentum=0.0, mixing_alpha=0.0)
+    assert (m.outer.lr, m.outer.momentum, m.outer.nesterov) == (8.0, 0.0, False) and not warned
+    m, warned = manifest(codec="sparse")
+    assert (m.outer.lr, m.outer.momentum, m.outer.nesterov) == (0.7, 0.9, True)
+    assert len(warned) == 1 and "--outer_momentum 0 --mixing_alpha 0" in warned[0]
+    assert not manifest(codec="nf4")[1]
 
 
 def test_a_manifest_with_overlap_not_below_h_over_p_is_refused():

@@ -171,3 +171,21 @@ def test_a_rounds_history_keeps_each_syncs_seconds():
     assert h.end_round(1, 4, 100, last)["sync_seconds"] == [2.0, 3.0]
     h.add_sync(last)
     assert h.end_round(2, 8, 200, last)["sync_seconds"] == [3.0]
+
+
+def test_throughput_is_steady_state_and_the_final_drain_is_reported_beside_it():
+    """Three rounds of 400 tokens every 4 s, then a final round whose entry comes 2 s late: the wait
+    for the syncs still in flight when training stopped. Steady state is 100 tokens/s; to the end
+    it is 1600 tokens in 18 s."""
+    rounds = [
+        dict(round=r, step=4 * r, loss=2.0, tokens_total=400 * r, time=4.0 * r, train_seconds=4.0 * r)
+        for r in (1, 2, 3)
+    ]
+    final = dict(round=4, step=16, loss=2.0, tokens_total=1600, time=18.0, train_seconds=18.0)
+    r = measured([[*rounds, final]], {})
+    assert r["tokens_per_second"] == 100.0
+    assert abs(r["tokens_per_second_to_the_end"] - 1600 / 18) < 1e-9
+    assert r["steady_window_seconds"] == 12.0
+    # too few rounds for a steady window: both are the whole window
+    short = measured([history([{}, {}])], {})
+    assert short["tokens_per_second"] == short["tokens_per_second_to_the_end"] == 80.0

@@ -27,14 +27,17 @@ of the peer runs outside the quota, `--comm_priority` nice levels above it (`Pee
 CPU of a GPU peer would: DHT, p2pd, our sync service (encoding for nf4, decoding, aggregation,
 digests) and hivemind's averager process (matchmaking, all-reduce) and optimizer thread (its AdamW
 step runs in hivemind's executor thread). What the training thread itself does per sync stays
-inside the quota (ours: the outer gradient, the outer step and merge, the state digest, sparse
-encoding). CPU seconds of both sides are recorded. Defaults (3.2M-parameter model, batch 4×64
-tokens, H = 48, P = 4) make `diloco_fp32` communication-bound at 20 Mbit/s and the whole run take
-about 13 minutes.
+inside the quota (ours: the outer gradient, the merge, sparse encoding; the outer step and its
+digest run on the outer-step thread). CPU seconds of both sides are recorded. Defaults
+(3.2M-parameter model, batch 4×64 tokens, H = 48, P = 4) make `diloco_fp32` communication-bound at
+20 Mbit/s and the whole run take about 12 minutes.
 
 Measured per configuration (means over peers):
-* `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, over the window in which all of a
-  configuration's peers were training (start-up skew would otherwise flatter the early starters);
+* `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, from the moment all of a
+  configuration's peers were training (start-up skew would otherwise flatter the early starters) to
+  every peer's last round before its final one: steady state. The final round ends after training
+  stopped and the syncs in flight were drained, which a streaming peer pays once per run, not per
+  round; `tokens_per_second_ratio_to_the_end` includes it;
 * `bytes_sent_per_peer_per_round`: egress on the peer's veth (everything: payload, DHT, TCP/IP
   headers) over that window, divided by the rounds (H inner steps) in it;
 * `peak_bytes_per_sync`: the largest burst of bytes on a peer's veth in that window (`report.bursts`:

@@ -22,7 +22,7 @@ from benchmarks.wan.netlab import Host, NetLab, Sampler, can_limit_threads, can_
 from benchmarks.wan.report import Outcome
 from peer.checkpoint import load_latest_checkpoint
 from peer.codecs.specs import CODEC_NAMES, codec_spec
-from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig
+from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig
 from peer.data.sources import DatasetSpec, eval_documents
 from peer.model.grid import ModelConfig
 from peer.model.tokenizer import load_tokenizer
@@ -48,6 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap_steps", type=int, default=None, help="τ of streaming_4bit (default: derived)")
     p.add_argument("--mixing_alpha", type=float, default=0.5, help="α of streaming_4bit")
     p.add_argument("--codec", default="nf4", choices=CODEC_NAMES)
+    # streaming_sparse: SparseLoCo's shape of the outer step (error feedback in place of momentum, the
+    # local copy replaced by the global one) with a larger lr, because the group's mean of members'
+    # top-k parts moves a coordinate only by the share of members that chose it; benchmarks/sparse_outer.py
+    p.add_argument("--sparse_outer_lr", type=float, default=8.0, help="outer lr of streaming_sparse")
+    p.add_argument(
+        "--sparse_outer_momentum", type=float, default=0.0, help="outer momentum of streaming_sparse"
+    )
+    p.add_argument("--sparse_mixing_alpha", type=float, default=0.0, help="α of streaming_sparse")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--d_model", type=int, default=256)
@@ -123,11 +131,19 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
             codec=args.codec if name == "streaming_4bit" else "sparse",
             fragments=args.fragments,
             overlap_steps=tau,
-            mixing_alpha=args.mixing_alpha,
+            mixing_alpha=args.mixing_alpha if name == "streaming_4bit" else args.sparse_mixing_alpha,
             **common,
         )
     # diloco_fp32; hivemind_optimizer reads only model, data and inner optimizer from its manifest
     return SyncConfig(codec="fp32", fragments=1, overlap_steps=0, **common)
+
+
+def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> OuterOptimizerConfig:
+    """DiLoCo's outer step (lr 0.7, Nesterov 0.9) for every run but streaming_sparse's."""
+    if name != "streaming_sparse":
+        return base.outer
+    m = args.sparse_outer_momentum
+    return OuterOptimizerConfig(lr=args.sparse_outer_lr, momentum=m, nesterov=m > 0)
 
 
 def derive_tau(args: argparse.Namespace, runs: dict[str, dict], model_bytes: int) -> tuple[int, dict]:
@@ -300,7 +316,9 @@ def run_configs(args: argparse.Namespace, base: RunManifest, model_bytes: int, s
                 tau, tau_why = derive_tau(args, runs, model_bytes)
                 print(f"streaming: τ = {tau} ({json.dumps(tau_why)})")
             sync = sync_config(name, args, tau)
-            manifest = base.model_copy(update=dict(name=f"wan_{name}", sync=sync))
+            manifest = base.model_copy(
+                update=dict(name=f"wan_{name}", sync=sync, outer=outer_config(name, args, base))
+            )
             print(f"[{time.monotonic() - started:5.0f}s] {name}: starting", flush=True)
             try:
                 outcome = run_config(name, lab, manifest, args, args.out)
@@ -340,8 +358,11 @@ def evaluate_runs(
         if which == "global":
             r["eval_loss_local_model"] = report.eval_loss(o.manifest, o.tensors, "local", docs)
         r["tokens_per_second_ratio"] = r["tokens_per_second"] / base_tps
+        base_to_end = runs["no_sync"]["tokens_per_second_to_the_end"] if "no_sync" in runs else float("nan")
+        r["tokens_per_second_ratio_to_the_end"] = r["tokens_per_second_to_the_end"] / base_to_end
         r["bytes_sent_per_peer_per_round"] = r["wire_bytes_per_round"]
         r["sync"] = o.manifest.sync.model_dump()
+        r["outer"] = o.manifest.outer.model_dump()
         if name in ("diloco_fp32", *STREAMING):
             r["gradient_bytes_per_round"], r["control_share"] = control_share(
                 r, o.manifest.sync, n_params, peers
@@ -378,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         peers=args.peers, cap_mbit=args.cap_mbit, loss=args.loss, steps=args.steps, H=args.inner_steps,
         fragments=args.fragments, overlap_steps=tau, overlap_derivation=tau_why,
         mixing_alpha=args.mixing_alpha, codec=args.codec, compute_cores=args.compute_cores,
+        sparse=dict(outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
+                    mixing_alpha=args.sparse_mixing_alpha),
         comm_priority=args.comm_priority, batch_size=args.batch_size, seq_len=args.seq_len,
         model=base.model.model_dump(), model_parameters=n_params, model_bytes_fp32=model_bytes,
         eval_docs=len(docs),

@@ -47,18 +47,32 @@ def training_window(histories: list[list[dict]]) -> tuple[float, float]:
     return max(starts), min(ends)
 
 
+def steady_window_end(histories: list[list[dict]], t0: float) -> float | None:
+    """The end of the window for throughput in steady state: every peer's last round entry before its
+    final one. The final round's entry is written after training stopped and the syncs still in
+    flight were drained: a streaming peer waits there for its last fragment rounds with no inner
+    steps left to hide them behind, once per run, not once per round (a blocking sync is in every
+    round, so DiLoCo's rate is the same either way). None when a peer has too few rounds for it."""
+    if any(len(h) < 3 for h in histories):
+        return None
+    end = min(h[-2]["time"] for h in histories)
+    return end if end > t0 else None
+
+
 def measure(o: Outcome, args: argparse.Namespace) -> dict:
     if any(not h for h in o.histories):
         raise RuntimeError(f"{o.name}: a peer recorded no round")
     t0, t1 = training_window(o.histories)
     if t1 <= t0:
         raise RuntimeError(f"{o.name}: the peers never trained at the same time ({t0:.1f} > {t1:.1f})")
-    tps, tps_whole, rounds_in_window = [], [], []
+    steady_end = steady_window_end(o.histories, t0) or t1
+    tps, tps_to_end, tps_whole, rounds_in_window = [], [], [], []
     for h in o.histories:
         start = h[0]["time"] - h[0]["train_seconds"]
         tokens = [(start, 0.0)] + [(e["time"], float(e["tokens_total"])) for e in h]
         steps = [(start, 0.0)] + [(e["time"], float(e["step"])) for e in h]
-        tps.append((_interp(tokens, t1) - _interp(tokens, t0)) / (t1 - t0))
+        tps.append((_interp(tokens, steady_end) - _interp(tokens, t0)) / (steady_end - t0))
+        tps_to_end.append((_interp(tokens, t1) - _interp(tokens, t0)) / (t1 - t0))
         tps_whole.append(h[-1]["tokens_total"] / h[-1]["train_seconds"])
         rounds_in_window.append((_interp(steps, t1) - _interp(steps, t0)) / args.inner_steps)
     n_hosts = len(o.histories)
@@ -78,8 +92,11 @@ def measure(o: Outcome, args: argparse.Namespace) -> dict:
     steps_done = [f["step"] for f in o.finals]
     matchmaking, sync_seconds = seconds_per_sync(o.histories)
     return dict(
+        # steady state (up to the last round before the final one); to the end: with the final drain
         tokens_per_second=sum(tps) / n_hosts,
         tokens_per_second_per_peer=tps,
+        tokens_per_second_to_the_end=sum(tps_to_end) / n_hosts,
+        steady_window_seconds=steady_end - t0,
         tokens_per_second_whole_run=sum(tps_whole) / n_hosts,
         window_seconds=t1 - t0,
         rounds_in_window=rounds,
@@ -237,6 +254,9 @@ def _check(value: float, bound: float, kind: str) -> dict:
 
 
 LEGEND = (
+    "Tokens/s: per peer, from the start of the window in which all peers trained to every peer's "
+    "last round before its final one (steady state); '… to the end' runs to the final round's end, "
+    "which a streaming peer reaches after waiting for its last fragment rounds once training stopped. "
     "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
     "Peak wire bytes per sync: the largest burst of bytes on a peer's veth (a run of 0.2 s samples "
     "above 10% of the cap: a sync's payload with its TCP/IP overhead), the same unit for every run; "
@@ -269,9 +289,20 @@ def _row(name: str, r: dict) -> str:
     sync = "–" if spent is None else f"{spent['mean']:.1f}"
     return (
         f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
+        f"| {r.get('tokens_per_second_ratio_to_the_end', float('nan')):.3f} "
         f"| {_cell_kb(r['bytes_sent_per_peer_per_round'])} | {_cell_kb(r['peak_bytes_per_sync'])} "
         f"| {_cell_kb(r['peak_payload_bytes_per_sync'])} | {matchmaking} "
         f"| {sync} | {control} | {r['eval_loss']:.4f} |"
+    )
+
+
+def _sparse(report: dict) -> str:
+    sp = report.get("sparse")
+    if not sp:
+        return ""
+    return (
+        f" (streaming_sparse: outer lr {sp['outer_lr']:g}, momentum {sp['outer_momentum']:g}, "
+        f"α = {sp['mixing_alpha']:g})"
     )
 
 
@@ -280,18 +311,20 @@ def write_markdown(path: Path, report: dict) -> str:
     lines = [
         f"{report['peers']} peers, egress cap {report['cap_mbit']:g} Mbit/s each, loss {report['loss']:g}, "
         f"{report['steps']} steps, H = {report['H']}, streaming P = {report['fragments']}, "
-        f"τ = {report['overlap_steps']}, α = {report['mixing_alpha']}, codec {report['codec']}; "
+        f"τ = {report['overlap_steps']}, α = {report['mixing_alpha']}, codec {report['codec']}"
+        f"{_sparse(report)}; "
         f"compute quota {report['compute_cores']:g} core per peer; model "
         f"{report['model_parameters'] / 1e6:.2f}M parameters "
         f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
         "",
-        "| run | tokens/s per peer | tokens/s ratio | bytes sent / peer / round | peak wire bytes / sync "
-        "| peak payload / sync | matchmaking s / sync | sync s | control share | eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | tokens/s per peer | tokens/s ratio | … to the end | bytes sent / peer / round "
+        "| peak wire bytes / sync | peak payload / sync | matchmaking s / sync | sync s | control share "
+        "| eval loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_row(name, r) for name, r in runs.items()]
     for name, error in report.get("failed", {}).items():
-        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * 8)
+        lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * 9)
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")

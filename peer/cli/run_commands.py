@@ -53,6 +53,8 @@ def register(subparsers) -> dict[str, Handler]:
         default=None,
         help="α: local weight when merging (default: 0.5 if τ > 0, else 0)",
     )
+    c.add_argument("--outer_lr", type=float, default=0.7, help="outer SGD lr (DiLoCo's 0.7)")
+    c.add_argument("--outer_momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
     c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument(

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import ArtifactStore
+from peer.codecs.specs import codec_spec
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
 from peer.data.batches import encode_document
 from peer.data.sources import DatasetSpec, load_documents, local_files, split_of
@@ -59,6 +60,8 @@ class RunOptions(BaseModel):
     fragments: int = Field(1, ge=1)
     overlap_steps: int = Field(0, ge=0)
     mixing_alpha: float | None = Field(None, ge=0, le=1)
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
     seed: int = 0
     warm_start_steps: int = Field(0, ge=0)
     warm_start_batch_size: int = Field(16, ge=1)
@@ -120,8 +123,18 @@ def manifest_from_options(
         sync = SyncConfig(
             codec=o.codec, fragments=o.fragments, overlap_steps=o.overlap_steps, mixing_alpha=o.mixing_alpha
         )
+        outer = OuterOptimizerConfig(lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.outer_momentum > 0)
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
+    if codec_spec(o.codec).error_feedback and (outer.momentum > 0 or sync.mixing_alpha > 0):
+        # benchmarks/sparse_outer.py: with DiLoCo's outer step the sparse codec's global copy ended
+        # at 1.27x DiLoCo's loss; without momentum, with α = 0 and a larger lr at 1.06-1.08x
+        logger.warning(
+            f"codec {o.codec} with outer momentum {outer.momentum:g} and α = {sync.mixing_alpha:g}: a "
+            "group's mean of top-k parts moves each coordinate by the share of holders that sent it, so "
+            "DiLoCo's outer step learns slowly; measured better: --outer_momentum 0 --mixing_alpha 0 "
+            "--outer_lr about 2 x the holders per module (README, WAN lab)"
+        )
     base = base_ref = None
     if o.warm_start_steps or o.base_checkpoint:
         if o.warm_start_steps and o.base_checkpoint:
@@ -138,7 +151,7 @@ def manifest_from_options(
         tokenizer_ref = store.add_file(tok.path, "tokenizer.json")
     manifest = build_manifest(
         o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
-        tokenizer=o.tokenizer, base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref,
+        outer=outer, tokenizer=o.tokenizer, base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref,
     )  # fmt: skip
     update = {}
     if shared is not None:  # the router and base were fitted on the same files, read by path
