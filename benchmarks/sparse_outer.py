@@ -50,95 +50,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(run: dict, args: argparse.Namespace) -> dict:
     """One run: `peers` replicas, their fragment rounds aggregated in process; eval of replica 0."""
-    import numpy as np
     import torch
 
-    from benchmarks.wan.driver import base_manifest
-    from benchmarks.wan.driver import parse_args as lab_args
+    from benchmarks.wan import report
+    from benchmarks.wan.driver import LabTraining
     from peer.codecs.formats import make_codec
     from peer.config import OuterOptimizerConfig
-    from peer.data.sources import eval_documents, load_documents, split_of
-    from peer.model.tokenizer import load_tokenizer
-    from peer.model.transformer import PathModel
-    from peer.offline.evaluation import evaluate
-    from peer.offline.simulate import InnerLoop, document_batches
-    from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
+    from peer.data.sources import eval_documents
     from peer.sync.fragments import fragments_due
     from peer.sync.module_sync import ModuleSync
 
     torch.set_num_threads(1)
-    lab = lab_args(["--out", "unused", "--steps", str(args.steps), "--inner_steps", str(args.inner_steps)])
-    manifest = base_manifest(lab)
-    cfg, tokenizer = manifest.model, load_tokenizer(manifest.tokenizer)
-    docs = [d for d in load_documents(manifest.dataset) if split_of(d, manifest.dataset) == "train"]
+    lab = LabTraining.load("--steps", str(args.steps), "--inner_steps", str(args.inner_steps))
     m = run["momentum"]
     outer = OuterOptimizerConfig(lr=run["lr"], momentum=m, nesterov=m > 0)
     P, tau = run.get("fragments", args.fragments), run.get("tau", args.overlap_steps)
-    path = (0,) * cfg.n_levels
-    loops, syncs = [], []
-    for i in range(args.peers):
-        model = PathModel(cfg, path, seed=manifest.seed)
-        batches = document_batches(docs, tokenizer, manifest.seq_len, lab.batch_size, seed=args.seed + i)
-        loops.append(InnerLoop(model, batches, manifest.inner, total_steps=args.steps))
-        syncs.append(
-            {mid: ModuleSync(cfg, mid, part, outer, n_fragments=P) for mid, part in model.parts.items()}
-        )
+    loops = [lab.replica(args.seed + i, args.steps) for i in range(args.peers)]
+    syncs = [
+        {
+            mid: ModuleSync(lab.manifest.model, mid, part, outer, n_fragments=P)
+            for mid, part in loop.model.parts.items()
+        }
+        for loop in loops
+    ]
     codec = make_codec(run["codec"])
-    feedback = codec.spec.error_feedback
     pending: list[tuple[int, int, dict]] = []
     sent = 0
     started = time.monotonic()
-
-    def finish(fragment: int, parts: dict) -> None:
-        for mid, decoded in parts.items():
-            mean = aggregate(
-                [Contribution(f"p{i}", d, 1.0) for i, d in enumerate(decoded)], AggregatorConfig()
-            )
-            for s in syncs:
-                s[mid].apply(fragment, torch.from_numpy(mean), run["alpha"])
-
     for clock in range(1, args.steps + 1):
         for loop in loops:
             loop.step()
         for fragment in fragments_due(clock, args.inner_steps, P):
-            parts: dict[str, list[np.ndarray]] = {}
-            for mid in syncs[0]:
-                if syncs[0][mid].fragment_size(fragment) == 0:
-                    continue
-                parts[mid] = []
+            parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
+            for mid, decoded in parts.items():
                 for s in syncs:
-                    ms = s[mid]
-                    delta = ms.outer_gradient(fragment)
-                    if feedback:
-                        delta = ms.with_error(fragment, delta, args.error_feedback_decay)
-                    payload = codec.encode(delta)
+                    payload, part = _send(s[mid], fragment, codec, args.error_feedback_decay)
                     sent += len(payload)
-                    decoded = codec.decode(payload, delta.numel()).view_as(delta)
-                    if feedback:
-                        ms.keep_unsent(fragment, delta, decoded)
-                    parts[mid].append(decoded.numpy())
+                    decoded.append(part)
             pending.append((clock + tau, fragment, parts))
         for item in [p for p in pending if p[0] <= clock]:
             pending.remove(item)
-            finish(item[1], item[2])
+            _finish(syncs, item[1], item[2], run["alpha"])
     for item in pending:
-        finish(item[1], item[2])
+        _finish(syncs, item[1], item[2], run["alpha"])
 
-    eval_docs = eval_documents(manifest.dataset, limit=100)
-
-    def loss(model: PathModel) -> float:
-        r = evaluate(model, eval_docs, tokenizer, context=manifest.seq_len)
-        return r.nll / r.tokens
-
-    global_model = PathModel(cfg, path, seed=manifest.seed)
-    with torch.no_grad():
-        for mid, ms in syncs[0].items():
-            for p, t in zip(global_model.parts[mid].parameters(), ms.plan.join(ms.global_flats), strict=True):
-                p.copy_(t.view_as(p))
+    eval_docs = eval_documents(lab.manifest.dataset, limit=100)
+    global_copy = {k: v for ms in syncs[0].values() for k, v in ms.named_state().items()}
+    local = {f"local/{name}": p.detach() for name, p in loops[0].model.named_parameters()}
     return run | dict(
-        fragments=P, tau=tau, eval_loss=loss(global_model), eval_loss_local_model=loss(loops[0].model),
+        fragments=P, tau=tau, eval_loss=report.eval_loss(lab.manifest, global_copy, "global", eval_docs),
+        eval_loss_local_model=report.eval_loss(lab.manifest, local, "local", eval_docs),
         payload_bytes_per_peer=sent // args.peers, seconds=time.monotonic() - started,
     )  # fmt: skip
+
+
+def _send(ms, fragment: int, codec, decay: float):
+    """What a member puts on the wire for a fragment round, and what the others decode from it; a
+    sparse codec's unsent rest stays as error feedback (as `peer.sync.outer` does before sending)."""
+    delta = ms.outer_gradient(fragment)
+    feedback = codec.spec.error_feedback
+    if feedback:
+        delta = ms.with_error(fragment, delta, decay)
+    payload = codec.encode(delta)
+    decoded = codec.decode(payload, delta.numel()).view_as(delta)
+    if feedback:
+        ms.keep_unsent(fragment, delta, decoded)
+    return payload, decoded.numpy()
+
+
+def _finish(syncs: list[dict], fragment: int, parts: dict, alpha: float) -> None:
+    """The group's aggregate of every module's decoded parts, applied by every member."""
+    import torch
+
+    from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
+
+    for mid, decoded in parts.items():
+        mean = aggregate([Contribution(f"p{i}", d, 1.0) for i, d in enumerate(decoded)], AggregatorConfig())
+        for s in syncs:
+            s[mid].apply(fragment, torch.from_numpy(mean), alpha)
 
 
 def write_report(out: Path, report: dict) -> str:

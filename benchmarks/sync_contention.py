@@ -52,21 +52,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from benchmarks.wan.driver import base_manifest
-    from benchmarks.wan.driver import parse_args as lab_args
-    from peer.data.sources import load_documents, split_of
-    from peer.model.tokenizer import load_tokenizer
-    from peer.model.transformer import PathModel
-    from peer.offline.simulate import InnerLoop, document_batches
+    from benchmarks.wan.driver import LabTraining
 
     torch.set_num_threads(1)
-    lab = lab_args(["--out", "unused"])
-    manifest = base_manifest(lab)
-    tokenizer = load_tokenizer(manifest.tokenizer)
-    docs = [d for d in load_documents(manifest.dataset) if split_of(d, manifest.dataset) == "train"][:600]
-    model = PathModel(manifest.model, (0,) * manifest.model.n_levels, seed=manifest.seed)
-    batches = document_batches(docs, tokenizer, manifest.seq_len, lab.batch_size, seed=0)
-    loop = InnerLoop(model, batches, manifest.inner, total_steps=100_000)
+    loop = LabTraining.load(max_docs=600).replica(batch_seed=0, total_steps=100_000)
     for _ in range(20):  # warm-up: allocator, first batches
         loop.step()
     ctx = mp.get_context("spawn")  # the neighbour shares nothing with the trainer but the machine

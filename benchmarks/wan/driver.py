@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads steal shared cores
@@ -23,10 +24,11 @@ from benchmarks.wan.report import Outcome
 from peer.checkpoint import load_latest_checkpoint
 from peer.codecs.specs import CODEC_NAMES, codec_spec
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig
-from peer.data.sources import DatasetSpec, eval_documents
+from peer.data.sources import DatasetSpec, eval_documents, load_documents, split_of
 from peer.model.grid import ModelConfig
-from peer.model.tokenizer import load_tokenizer
+from peer.model.tokenizer import Tokenizer, load_tokenizer
 from peer.model.transformer import PathModel, count_parameters
+from peer.offline.simulate import InnerLoop, document_batches
 from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
 
@@ -107,6 +109,33 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         blocks_per_module=args.blocks,
         fragment_layout="strided",
     )
+
+
+@dataclass
+class LabTraining:
+    """The lab's model, data and inner optimizer for training in process, without peers or network
+    (benchmarks that isolate one part of what the lab measures)."""
+
+    args: argparse.Namespace
+    manifest: RunManifest
+    tokenizer: Tokenizer
+    train_docs: list[str]
+
+    @classmethod
+    def load(cls, *lab_flags: str, max_docs: int | None = None) -> LabTraining:
+        args = parse_args(["--out", "unused", *lab_flags])
+        manifest = base_manifest(args)
+        docs = [d for d in load_documents(manifest.dataset) if split_of(d, manifest.dataset) == "train"]
+        return cls(args, manifest, load_tokenizer(manifest.tokenizer), docs[:max_docs])
+
+    def replica(self, batch_seed: int, total_steps: int) -> InnerLoop:
+        """The lab's path model from its initial weights, with its AdamW and a batch order of its own."""
+        m = self.manifest
+        model = PathModel(m.model, (0,) * m.model.n_levels, seed=m.seed)
+        batches = document_batches(
+            self.train_docs, self.tokenizer, m.seq_len, self.args.batch_size, batch_seed
+        )
+        return InnerLoop(model, batches, m.inner, total_steps=total_steps)
 
 
 def base_manifest(args: argparse.Namespace) -> RunManifest:
@@ -349,7 +378,9 @@ def evaluate_runs(
 ) -> None:
     """Eval loss of every run (peer 0's global copy, or its local model where there is none), and the
     ratios against no_sync."""
-    base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else float("nan")
+    nan = float("nan")
+    base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else nan
+    base_to_end = runs["no_sync"]["tokens_per_second_to_the_end"] if "no_sync" in runs else nan
     for name, o in outcomes.items():
         r = runs[name]
         which = "global" if name in ("diloco_fp32", *STREAMING) else "local"
@@ -358,7 +389,6 @@ def evaluate_runs(
         if which == "global":
             r["eval_loss_local_model"] = report.eval_loss(o.manifest, o.tensors, "local", docs)
         r["tokens_per_second_ratio"] = r["tokens_per_second"] / base_tps
-        base_to_end = runs["no_sync"]["tokens_per_second_to_the_end"] if "no_sync" in runs else float("nan")
         r["tokens_per_second_ratio_to_the_end"] = r["tokens_per_second_to_the_end"] / base_to_end
         r["bytes_sent_per_peer_per_round"] = r["wire_bytes_per_round"]
         r["sync"] = o.manifest.sync.model_dump()
