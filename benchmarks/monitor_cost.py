@@ -34,13 +34,13 @@ from dht.identity import peer_id_of_key
 from dht.keys import MAX_CLAIMS_PER_RUN, claims_key
 from dht.schema import ClaimRecord, ManifestRecord
 from dht.validators import RecordSchemaValidator
+from monitoring.swarm.exporter import SwarmCollector, make_registry
+from monitoring.swarm.page import render_page
+from monitoring.swarm.poller import SwarmPoller
+from monitoring.swarm.status import status_dict
+from monitoring.swarm.view import build_view, select_claims
 from peer.config import RunManifest
 from peer.model.grid import ModelConfig, all_paths, path_module_ids
-from peer.monitor.exporter import SwarmCollector, make_registry
-from peer.monitor.page import render_page
-from peer.monitor.poller import SwarmPoller
-from peer.monitor.status import status_dict
-from peer.monitor.view import build_view, select_claims
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=8)
 RUN = "monitorcost"

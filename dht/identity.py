@@ -25,7 +25,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peer.errors import SwarmError
+from dht.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.errors import SwarmError
 from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.startup_errors import explain_start_failure
 from dht.validators import RecordSchemaValidator, RememberedValidation
-from peer.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 

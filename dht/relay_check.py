@@ -29,8 +29,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht.background_loop import BackgroundLoop
 from dht.node import visible_maddrs  # also installs the static-relay p2pd flag
-from peer.background_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 

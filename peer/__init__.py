@@ -2,10 +2,11 @@
 layer or the layers before it (`tests/test_layout.py` checks this, and that nothing imports in a
 circle):
 
-1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint`, `background_loop`, `artifacts/`
-   (content-addressed files over P2P); and the
-   sibling packages `dht` (keys, record schemas, validators, identities, node start-up) and
-   `monitoring` (Prometheus metrics)
+1. leaves — `errors`, `seeding`, `faults`, `codecs/`, `checkpoint/` (atomic checkpoints and the
+   directory lock), `artifacts/` (content-addressed files over P2P); and the sibling packages `dht`
+   (keys, record schemas, validators, identities, node start-up, the P2P plumbing every service
+   shares; it imports nothing from `peer`) and `monitoring.metrics` (the Prometheus metrics a peer
+   serves)
 2. `model/` — grid shape, transformer, tokenizer, router and routing
 3. `data/` — dataset sources, the built-in corpus, a path's batches
 4. `config` — the typed config tree (run manifest, peer settings)
@@ -16,9 +17,10 @@ circle):
 8. `swarm/` — manifest in the DHT, claims, probes, planning, a peer's membership
 9. `training/` — the inner step, the round history, the `Peer` (lifecycle and loop)
 10. `offline/` — research tools without a swarm: simulator, experiments, evaluation, export;
-    `monitor/` — the swarm monitor (imports dht, monitoring, config, model.grid and run only);
-    `reroute` — DiPaCo's re-routing of a live run by its creator (`pathswarm run reroute`)
-11. `cli/` — the `pathswarm` command, the demo and the local swarm launcher
+    and, beside `peer`, `monitoring.swarm` — the maintainers' swarm monitor (imports dht,
+    monitoring, config, model.grid and run only)
+11. `cli/` — the `pathswarm` command and its commands: the demo, the local swarm launcher, and
+    `reroute` (DiPaCo's re-routing of a live run by its creator, `pathswarm run reroute`)
 """
 
 from __future__ import annotations

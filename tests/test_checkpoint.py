@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer import checkpoint, faults
+from peer import faults
 from peer.checkpoint import CheckpointError, list_checkpoints, load_latest_checkpoint, save_checkpoint
+from peer.checkpoint import store as checkpoint
 from peer.faults import ENV_VAR, InjectedFault
 
 REPO = Path(__file__).resolve().parents[1]

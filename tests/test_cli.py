@@ -158,7 +158,7 @@ def test_a_runs_data_files_cannot_leave_data_root(tmp_path):
 
 
 def test_a_second_peer_on_a_checkpoint_dir_in_use_refuses_with_one_line(tmp_path):
-    from peer.checkpoint_lock import CheckpointDirLock
+    from peer.checkpoint import CheckpointDirLock
 
     held = CheckpointDirLock(tmp_path / "ckpt").acquire()  # the first peer's lock (this process)
     try:

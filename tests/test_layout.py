@@ -1,4 +1,5 @@
-"""The code's layout: layers import only downward, nothing imports in a circle, light modules stay light."""
+"""The code's layout: layers import only downward, nothing imports in a circle, the DHT layer stands
+without the peer, few loose modules, light modules stay light and small."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ LAYERS = {
     "peer.faults": 1,
     "peer.codecs": 1,
     "peer.checkpoint": 1,
-    "peer.background_loop": 1,
     "peer.artifacts": 1,
     "dht": 1,
     "monitoring": 1,
@@ -31,8 +31,7 @@ LAYERS = {
     "peer.swarm": 8,
     "peer.training": 9,
     "peer.offline": 10,
-    "peer.monitor": 10,
-    "peer.reroute": 10,
+    "monitoring.swarm": 10,
     "peer.cli": 11,
     "peer.__main__": 11,
 }
@@ -139,14 +138,37 @@ def test_only_the_cli_imports_the_monitor_and_the_monitor_reads_only_low_layers(
         "peer.errors",
         "peer.model.grid",
         "peer.run",
-        "peer.monitor",
+        "monitoring.swarm",
     )
     wrong = []
     for name, path in modules.items():
         for target in imports_of(path, modules):
-            inside = name == "peer.monitor" or name.startswith("peer.monitor.")
-            if target.startswith("peer.monitor") and not (inside or name.startswith("peer.cli")):
+            inside = name == "monitoring.swarm" or name.startswith("monitoring.swarm.")
+            if target.startswith("monitoring.swarm") and not (inside or name.startswith("peer.cli")):
                 wrong.append(f"{name} imports {target}")
             if inside and not any(target == a or target.startswith(a + ".") for a in allowed):
                 wrong.append(f"{name} imports {target}")
     assert not wrong, wrong
+
+
+def test_the_dht_layer_imports_nothing_from_the_peer():
+    modules = project_modules()
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in modules.items()
+        if name.split(".")[0] == "dht"
+        for target in imports_of(path, modules)
+        if target.split(".")[0] != "dht"
+    ]
+    assert not wrong, wrong
+
+
+#: modules that may sit loose under peer/ beside __init__ and __main__ (everything else has a folder)
+MAX_LOOSE_PEER_MODULES = 4
+
+
+def test_few_modules_sit_loose_under_peer():
+    loose = sorted(
+        p.name for p in (REPO / "peer").glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert len(loose) <= MAX_LOOSE_PEER_MODULES, loose

@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dht.schema import ClaimRecord, KeptModule, StashRecord
+from monitoring.swarm.exporter import SwarmCollector, make_registry
+from monitoring.swarm.view import build_view, select_claims
 from peer.model.grid import ModelConfig
-from peer.monitor.exporter import SwarmCollector, make_registry
-from peer.monitor.view import build_view, select_claims
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
 # path 0 = trunk l0m0 l1m0, 1 = trunk l0m0 l1m1, 2 = trunk l0m1 l1m0, 3 = trunk l0m1 l1m1
@@ -145,8 +145,8 @@ def test_bad_monitor_flags_fail_in_one_line_before_joining(flags, says):
 def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
     import re
 
-    from peer.monitor.page import MAX_PAGE_ROWS, render_page
-    from peer.monitor.status import status_dict
+    from monitoring.swarm.page import MAX_PAGE_ROWS, render_page
+    from monitoring.swarm.status import status_dict
 
     records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(400)]
     status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records)), [])

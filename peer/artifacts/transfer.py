@@ -28,11 +28,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from tqdm import tqdm
 
 from dht.keys import ARTIFACTS_TTL_SECONDS, artifacts_key
+from dht.p2p_handler import P2PHandler
 from dht.records import read_records, store_record
 from dht.schema import ArtifactsRecord
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import ArtifactError, ArtifactStore
-from peer.p2p_handler import P2PHandler
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`pathswarm monitor`: watch a whole run from a client-mode DHT node (see `peer.monitor`)."""
+"""`pathswarm monitor`: watch a whole run from a client-mode DHT node (see `monitoring.swarm`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def register(subparsers) -> dict[str, Handler]:
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    from peer.monitor.service import MonitorOptions, run_monitor
+    from monitoring.swarm.service import MonitorOptions, run_monitor
 
     options = MonitorOptions(
         run=args.run,

@@ -123,8 +123,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_reroute(args: argparse.Namespace) -> int:
+    from peer.cli.reroute import RerouteOptions, reroute
     from peer.errors import ConfigError
-    from peer.reroute import RerouteOptions, reroute
 
     setup_logging()
     for flag, least in (("docs", 1), ("eval_docs", 0), ("switch_after_rounds", 0), ("score_tokens", 8),

@@ -28,11 +28,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from dht.keys import PROBE_TTL_SECONDS, probes_key
+from dht.p2p_handler import P2PHandler
 from dht.records import read_records, store_record
 from dht.schema import ProbeRecord
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
-from peer.p2p_handler import P2PHandler
 from peer.seeding import stable_seed
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.node import visible_maddrs
-from peer.p2p_handler import P2PHandler
+from dht.p2p_handler import P2PHandler
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 import hivemind
 from hivemind.p2p import PeerID
 
-from peer.background_loop import BackgroundLoop
+from dht.background_loop import BackgroundLoop
 from peer.faults import fault_point
 from peer.sync import wire
 from peer.sync.inbox import Delivery, Inbox, Refused, delivery_digest

@@ -26,8 +26,7 @@ from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
 from peer.artifacts.transfer import ArtifactService
-from peer.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
-from peer.checkpoint_lock import CheckpointDirLock
+from peer.checkpoint import CheckpointDirLock, CheckpointError, load_latest_checkpoint, save_checkpoint
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
 from peer.data.sources import load_documents

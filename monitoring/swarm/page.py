@@ -1,7 +1,7 @@
 """The status page as one self-contained HTML document: inline CSS, inline SVG charts, a few lines of
 inline script for the peer search. Nothing is loaded from elsewhere, so it works offline.
 
-`render_page(status)` takes the same dict that `/api/status` serves (see `peer.monitor.status`).
+`render_page(status)` takes the same dict that `/api/status` serves (see `monitoring.swarm.status`).
 """
 
 # ruff: noqa: E501 - HTML and SVG markup reads better unwrapped

@@ -15,7 +15,7 @@ import hivemind
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from peer.background_loop import BackgroundLoop
+from dht.background_loop import BackgroundLoop
 
 
 class P2PHandler:

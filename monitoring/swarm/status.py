@@ -15,9 +15,9 @@ from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from peer.monitor.page import render_page
-from peer.monitor.poller import HistoryPoint
-from peer.monitor.view import SwarmView
+from monitoring.swarm.page import render_page
+from monitoring.swarm.poller import HistoryPoint
+from monitoring.swarm.view import SwarmView
 
 logger = logging.getLogger(__name__)
 

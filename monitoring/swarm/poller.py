@@ -18,10 +18,10 @@ import hivemind
 from dht.keys import claims_key, manifest_key, stash_key
 from dht.records import read_records
 from dht.schema import ClaimRecord, ManifestRecord, StashRecord
+from monitoring.swarm.exporter import SwarmCollector
+from monitoring.swarm.view import SwarmView, build_view, select_claims
 from peer.config import RunManifest
 from peer.errors import SwarmError
-from peer.monitor.exporter import SwarmCollector
-from peer.monitor.view import SwarmView, build_view, select_claims
 from peer.run.record import verify_record
 
 logger = logging.getLogger(__name__)

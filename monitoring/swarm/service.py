@@ -11,11 +11,11 @@ from prometheus_client import start_http_server
 
 from dht.keys import check_run_name
 from dht.node import start_dht
+from monitoring.swarm.exporter import SwarmCollector, make_registry
+from monitoring.swarm.poller import SwarmPoller, find_manifest
+from monitoring.swarm.status import StatusServer
 from peer.config import MIN_PIN_HEX
 from peer.errors import ConfigError
-from peer.monitor.exporter import SwarmCollector, make_registry
-from peer.monitor.poller import SwarmPoller, find_manifest
-from peer.monitor.status import StatusServer
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from monitoring.metrics import BAD_PART_REASONS
-from peer.monitor.view import SYNC_OUTCOMES, SwarmView, top_peers
+from monitoring.swarm.view import SYNC_OUTCOMES, SwarmView, top_peers
 
 #: peers whose last totals the counters remember (a departed peer that comes back must not be counted twice)
 MAX_REMEMBERED_PEERS = 8192

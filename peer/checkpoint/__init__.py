@@ -1,0 +1,25 @@
+"""A peer's checkpoints: crash-safe folders of safetensors weights and a JSON manifest (`store`), and
+the lock that keeps a second peer out of a checkpoint directory in use (`lock`).
+
+Leaf layer: imports only `peer.errors` and `peer.faults`.
+"""
+
+from peer.checkpoint.lock import CheckpointDirLock
+from peer.checkpoint.store import (
+    SPACE_MARGIN_BYTES,
+    CheckpointError,
+    CheckpointInfo,
+    list_checkpoints,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "SPACE_MARGIN_BYTES",
+    "CheckpointDirLock",
+    "CheckpointError",
+    "CheckpointInfo",
+    "list_checkpoints",
+    "load_latest_checkpoint",
+    "save_checkpoint",
+]
