@@ -3,7 +3,8 @@
 The WAN lab's model, data, schedule and peers (4 replicas of its one path, H = 48, P = 4, τ = 11,
 192 steps) trained in one process without the network, so that only the outer step differs between
 runs: the project's own inner loop (`peer.offline.simulate.InnerLoop`), fragment schedule
-(`peer.sync.fragments`), codecs, error feedback (`ModuleSync.with_error` / `keep_unsent`), robust
+(`peer.sync.fragments`), codecs, error feedback (`ModuleSync.corrected_outer_gradient` /
+`settle_feedback`), robust
 aggregator (`peer.sync.aggregate`, centered clip) and outer step (`ModuleSync.apply`). Every member
 of a fragment round encodes its Δ, the group aggregates the decoded parts, τ steps later every member
 applies the result: what `peer.sync.outer` does, minus the wire.
@@ -107,14 +108,11 @@ def train(run: dict, args: argparse.Namespace) -> dict:
 def _send(ms, fragment: int, codec, decay: float):
     """What a member puts on the wire for a fragment round, and what the others decode from it; a
     sparse codec's unsent rest stays as error feedback (as `peer.sync.outer` does before sending)."""
-    delta = ms.outer_gradient(fragment)
-    feedback = codec.spec.error_feedback
-    if feedback:
-        delta = ms.with_error(fragment, delta, decay)
+    delta = ms.corrected_outer_gradient(fragment, codec, decay)
     payload = codec.encode(delta)
     decoded = codec.decode(payload, delta.numel()).view_as(delta)
-    if feedback:
-        ms.keep_unsent(fragment, delta, decoded)
+    if codec.spec.error_feedback:
+        ms.settle_feedback(fragment, delta, decoded)
     return payload, decoded.numpy()
 
 

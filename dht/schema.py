@@ -16,6 +16,8 @@ _PATH_INDEX = re.compile(r"^\d{1,7}$")
 
 #: a claim's `path_steps` names at most this many paths (a peer keeps its most trained ones there)
 MAX_PATH_STEPS_ENTRIES = 64
+#: the longest admission token a record carries (a 2048-bit key's is about 620 characters)
+MAX_ADMISSION_TOKEN_CHARS = 2048
 
 
 class Record(BaseModel):
@@ -82,6 +84,9 @@ class ClaimRecord(Record):
     #: (added after version 2: absent in older peers' claims). A claim, not a fact: it only steers
     #: which path a peer rotates to (peer/swarm/rotation.py), never what is averaged or trusted.
     path_steps: dict[str, int] = Field(default_factory=dict, max_length=MAX_PATH_STEPS_ENTRIES)
+    #: the run creator's signed admission of this peer (peer/run/admission.py), "" while it has none;
+    #: readers verify it against the manifest's creator key before it counts for anything
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
     @field_validator("modules")
     @classmethod
@@ -145,6 +150,8 @@ class StashRecord(Record):
 
     peer_id: str = Field(min_length=1, max_length=128)
     modules: dict[str, KeptModule] = Field(default_factory=dict, max_length=512)
+    #: the keeper's admission to the run ("" for the creator's own keeper, which needs none)
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
     @field_validator("modules")
     @classmethod

@@ -17,8 +17,8 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client import start_http_server as _start_http_server
 
-OUTCOMES = ("averaged", "excluded", "alone", "behind", "failed")
-BAD_PART_REASONS = ("shape", "dtype", "nonfinite", "norm", "weight", "unconfirmed")
+OUTCOMES = ("averaged", "excluded", "alone", "incomplete", "behind", "failed")
+BAD_PART_REASONS = ("shape", "dtype", "nonfinite", "norm", "weight", "unconfirmed", "equivocation")
 # All-reduce rounds over volunteer links: tens of ms on a LAN up to the two-minute round deadline.
 ALLREDUCE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 # Guard against a bug turning the module label into an unbounded one (grids have at most a few hundred).

@@ -23,8 +23,9 @@ from peer.data.sources import DatasetSpec
 from peer.errors import ConfigError
 from peer.model.grid import ModelConfig
 
-#: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently
-MANIFEST_FORMAT_VERSION = 5  # 4: base_checkpoint; 5: dataset.shards, tokenizer_file, router_file
+#: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently; 4:
+#: base_checkpoint; 5: dataset.shards, tokenizer_file, router_file; 6: admission
+MANIFEST_FORMAT_VERSION = 6
 #: a router file larger than this is refused before it is fetched or read
 MAX_ROUTER_FILE_BYTES = 64 << 20
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
@@ -106,6 +107,28 @@ class SyncConfig(_Frozen):
         return v
 
 
+class AdmissionConfig(_Frozen):
+    """How a key earns standing in the run: whose reports, votes and confirmations count
+    (peer/run/admission.py; docs/threat-model.md says what each mode costs whom)."""
+
+    mode: Literal["open", "invite"] = Field(
+        "open",
+        description="invite: only keys the creator admitted take part; open: anyone trains, and a key's "
+        "votes count once the creator's authority admitted it after its probation",
+    )
+    probation_rounds: int = Field(
+        3, ge=1, le=1000, description="open: rounds in which admitted holders took a key's outer gradient "
+        "before the authority admits it",
+    )  # fmt: skip
+    admissions_per_hour: int = Field(
+        60, ge=1, description="open: keys the authority admits per hour at most (a flood of keys waits)"
+    )
+    key_cost_bits: int = Field(
+        0, ge=0, le=32, description="open: leading zero bits of sha256(run, peer id, nonce) a key must "
+        "find before the authority admits it (a cost per key: 2**bits hashes; 0 = none)",
+    )  # fmt: skip
+
+
 class SchedulerConfig(_Frozen):
     """Heterogeneity-aware placement (Yuan et al. 2022): who trains which path."""
 
@@ -132,6 +155,7 @@ class RunManifest(_Frozen):
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
     sync: SyncConfig = SyncConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     dataset: DatasetSpec = DatasetSpec()
     tokenizer: str = "bytes"
     tokenizer_fingerprint: str = ""

@@ -6,27 +6,37 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.codecs.formats import make_codec
+from peer.run.admission import AdmissionCheck, sign_admission
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import Inbox
 from peer.sync.rounds import RoundRunner, RoundSettings
 from peer.sync.service import SyncService
+from peer.sync.standing import Standing
 from peer.sync.wire import Kind
 
 RUN_ID = "ab" * 32
 MODULE = "l0m0"
+#: the creator of the tests' run: it signs the admissions of the members a test admits
+CREATOR = RSAPrivateKey()
 
 
 @dataclass
 class Member:
     service: SyncService
     runner: RoundRunner
+    key: RSAPrivateKey
 
     @property
     def peer_id(self) -> str:
         return self.service.peer_id
+
+    @property
+    def token(self) -> str:
+        return self.service.inbox.standing.own_token
 
 
 @contextmanager
@@ -41,22 +51,33 @@ def sync_group(
     max_delta_norm: float = 0.0,
     left: set[str] | None = None,
     fragments: int = 1,
+    admitted: list[int] | None = None,
+    mode: str = "open",
 ):
     """n members holding one module of `fragments` fragments of `numel` numbers each; every member counts the
     others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
-    leaving claims)."""
+    leaving claims). The members whose indices are in `admitted` hold the creator's admission (the
+    others are on probation: nobody is admitted unless the test says so)."""
     left = set() if left is None else left
     members: list[Member] = []
+    tokens: dict[str, str] = {}  # the claim view's tokens
+    check = AdmissionCheck(RUN_ID, CREATOR.get_public_key().to_bytes())
     try:
-        for _ in range(n):
-            dht, _ = dht_factory()
+        for i in range(n):
+            dht, key = dht_factory()
             c = make_codec(codec)
+            standing = Standing(check, mode, lambda peer: tokens.get(peer, ""))
             inbox = Inbox(
-                {MODULE: [numel] * fragments}, c, lambda peer, module: peer not in left, 32, max_delta_norm
-            )
-            service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30)
+                {MODULE: [numel] * fragments}, c, lambda peer, module: peer not in left, 32, max_delta_norm,
+                standing,
+            )  # fmt: skip
+            service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30, key=key)
+            if admitted is not None and i in admitted:
+                standing.own_token = tokens[service.peer_id] = sign_admission(
+                    CREATOR, RUN_ID, service.peer_id, "invite"
+                )
             settings = RoundSettings(averaging_timeout, report_timeout, AggregatorConfig(method=aggregator))
-            members.append(Member(service, RoundRunner(service, c, settings)))
+            members.append(Member(service, RoundRunner(service, c, settings), key))
         yield members
     finally:
         for m in members:
@@ -86,10 +107,34 @@ def send_delta(
     header = wire.DeltaHeader(
         run=RUN_ID[:16], key=wire.RoundKey(module=MODULE, fragment=0, round=round_index), weight=weight,
         codec=codec, numel=numel, payload_bytes=len(payload) if payload_bytes is None else payload_bytes,
+        admission=sender.token,
     )  # fmt: skip
     frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
     return sender.service.call(sender.service.request(to.peer_id, frames, 10), timeout=20)
 
 
+def send_report(sender: Member, to: Member, received: dict[str, str], state_digest: str = "0" * 64,
+                round_index: int = 0):  # fmt: skip
+    """Signs and sends a crafted report (as a hostile member would) and returns the ACK."""
+    from peer.sync.reports import sign_report
+
+    report = wire.Report(
+        run=RUN_ID[:16], key=wire.RoundKey(module=MODULE, fragment=0, round=round_index), received=received,
+        state_digest=state_digest, admission=sender.token,
+    )  # fmt: skip
+    frames = [wire.pack_header(Kind.REPORT, sign_report(report, sender.key, sender.peer_id))]
+    return sender.service.call(sender.service.request(to.peer_id, frames, 10), timeout=20)
+
+
 def fp32_bytes(x: torch.Tensor) -> bytes:
     return make_codec("fp32").encode(x)
+
+
+def advance(loop, tokens_total: int, holders: dict, drain: bool = False) -> None:
+    """One inner step of a `StreamingOuter` as `PathSync.after_step` drives it (or, with `drain`, the
+    syncs still in flight), for loops whose rounds ask for no merge or download."""
+    if not drain:
+        loop.tick(tokens_total, holders)
+    for pending in loop.drain() if drain else loop.due():
+        for mid, result in loop.collect(pending).items():
+            loop.apply(pending, mid, result)

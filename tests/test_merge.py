@@ -32,7 +32,7 @@ def _merge_everywhere(members, copies, served=None):
     ids = [m.peer_id for m in members]
     futures = []
     for i, m in enumerate(members):
-        reported = {p: d for j, (p, d) in enumerate(zip(ids, digests, strict=True)) if j != i}
+        reported = dict(zip(ids, digests, strict=True))  # the round's voters, this member included
         futures.append(
             m.service.submit(merged_copy(m.service, MODULE, 0, copies[i], digests[i], reported, 10.0))
         )

@@ -16,7 +16,7 @@ from peer.model.grid import ModelConfig
 from peer.model.transformer import PathModel
 from peer.sync.module_sync import ModuleSync, state_digest
 from peer.sync.outer import StreamingOuter
-from tests.sync_members import sync_group
+from tests.sync_members import advance, sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 OUTER = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)
@@ -97,9 +97,8 @@ def test_overlapped_rounds_outer_steps_run_off_the_training_thread(dht_factory):
         holders = {MODULE: [m.peer_id for m in members]}
         loops = []
         for m, ms in zip(members, syncs, strict=True):
-            loop = StreamingOuter({MODULE: ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "test"))
-            loop.runner = m.runner
-            loops.append(loop)
+            metrics = PeerMetrics("t", m.peer_id, "0", "test")
+            loops.append(StreamingOuter({MODULE: ms}, manifest, m.peer_id, metrics, m.runner))
         errors: list[BaseException] = []
 
         def train(i: int) -> None:
@@ -110,9 +109,9 @@ def test_overlapped_rounds_outer_steps_run_off_the_training_thread(dht_factory):
                         for p in models_params[i]:
                             p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
                     _wait_prepared([p for p in loops[i].pending if p.due_step <= loops[i].clock + 1])
-                    loops[i].after_step(step, 100 * step, holders)
+                    advance(loops[i], 100 * step, holders)
                 _wait_prepared(loops[i].pending)
-                loops[i].drain(h * rounds)
+                advance(loops[i], 0, holders, drain=True)
             except BaseException as e:  # surfaced below, not lost in the thread
                 errors.append(e)
 

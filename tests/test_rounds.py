@@ -11,6 +11,7 @@ import torch
 
 from peer.codecs.formats import make_codec
 from peer.sync import wire
+from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
 
@@ -129,13 +130,13 @@ def test_a_copy_outside_a_majority_is_repaired_and_copies_without_one_are_merged
         copies = [b, a, b, a]
         results = _round_with_copies(members, copies, round_index=1)
         assert [r.repair_from for r in results] == [[]] * 4
-        for me, r in enumerate(results):
-            assert r.merge_with == {p: c for i, (p, c) in enumerate(zip(ids, copies, strict=True)) if i != me}
+        for r in results:  # every voter's copy, ours included: every member merges the same ones
+            assert r.merge_with == dict(zip(ids, copies, strict=True))
     with sync_group(dht_factory, 2, NUMEL) as pair:
         # one against one: neither copy wins (a lone peer could grind a small digest); both merge
         results = _round_with_copies(pair, [b, a])
         assert [r.repair_from for r in results] == [[], []]
-        assert [sorted(r.merge_with.values()) for r in results] == [[a], [b]]
+        assert [sorted(r.merge_with.values()) for r in results] == [[a, b], [a, b]]
 
 
 def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht_factory):
@@ -162,7 +163,7 @@ def test_malformed_and_nonfinite_parts_are_refused_and_their_sender_left_out(dht
     assert torch.equal(results[0].delta, results[1].delta)
 
 
-def test_a_sender_of_three_bad_parts_is_banned_and_left_out_of_later_rounds(dht_factory):
+def test_a_member_that_banned_a_sender_refuses_its_traffic_yet_applies_the_groups_bits(dht_factory):
     deltas = deltas_for(3, seed=6)
     nan = fp32_bytes(torch.full((NUMEL,), float("nan")))
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=30.0) as members:
@@ -174,18 +175,34 @@ def test_a_sender_of_three_bad_parts_is_banned_and_left_out_of_later_rounds(dht_
         assert not send_delta(hostile, a, nan, NUMEL, round_index=1).ok
         banned = send_delta(hostile, a, fp32_bytes(deltas[2]), NUMEL, round_index=1)
         assert not banned.ok and "banned" in banned.reason
-        # the next round: a refuses everything the banned sender offers, b (which saw nothing bad)
-        # takes it, and the agreement on deliveries leaves it out on both
+        # the next round: a refuses everything the banned sender offers it, b takes its well-formed
+        # part. A ban is one member's: it cannot veto a part the majority took (else one member could
+        # veto anyone), so a takes that part from b and every member applies the same bits
         started = time.monotonic()
         results = run_round(members, deltas, [1.0] * 3, round_index=1)
         seconds = time.monotonic() - started
         assert b.service.refused["banned"] == 0 and a.service.refused["banned"] >= 2
     # nobody waits out the averaging timeout for the part a refused
     assert seconds < 15.0
-    for r in results[:2]:
-        assert r.members == sorted([a.peer_id, b.peer_id]) and hostile.peer_id in r.dropped, r.dropped
-    assert torch.equal(results[0].delta, results[1].delta)
-    assert torch.allclose(results[0].delta, (deltas[0] + deltas[1]) / 2, atol=1e-7)
+    assert all(r.outcome == "averaged" and r.group_size == 3 for r in results), [r.dropped for r in results]
+    assert all(torch.equal(r.delta, results[0].delta) for r in results)
+    assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-7)
+
+
+def test_a_ban_lasts_its_time_and_then_ends():
+    now = [1000.0]
+    inbox = Inbox({MODULE: [NUMEL]}, make_codec("fp32"), lambda p, m: True, 8, 0.0, clock=lambda: now[0])
+    for _ in range(BAN_AFTER_BAD_PARTS - 1):
+        inbox.strike("peer", "nonfinite")
+    assert not inbox.banned("peer")
+    inbox.strike("peer", "stale")  # what honest peers earn does not count towards a ban
+    assert not inbox.banned("peer")
+    inbox.strike("peer", "norm")
+    assert inbox.banned("peer")
+    now[0] += BAN_SECONDS - 1
+    assert inbox.banned("peer")
+    now[0] += 2
+    assert not inbox.banned("peer")
 
 
 def test_a_sender_that_sends_different_bytes_to_different_members_is_dropped_by_both(dht_factory):

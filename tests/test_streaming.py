@@ -17,7 +17,7 @@ from peer.model.transformer import PathModel
 from peer.sync.fragments import FragmentPlan, fragments_due, sync_offsets
 from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import OverlapTuner, StreamingOuter
-from tests.sync_members import sync_group
+from tests.sync_members import advance, sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 
@@ -70,7 +70,7 @@ def _streaming(model: PathModel, h: int, sync: SyncConfig, outer: OuterOptimizer
     manifest = RunManifest(name="t", model=CFG, seq_len=32, inner_steps=h, sync=sync, outer=outer)
     syncs = {mid: ModuleSync(CFG, mid, model.parts[mid], outer, sync.fragments) for mid in model.module_ids}
     metrics = PeerMetrics("t", "me", "0", "test")
-    loop = StreamingOuter(syncs, manifest, "me", metrics)
+    loop = StreamingOuter(syncs, manifest, "me", metrics, None)
     return loop, syncs
 
 
@@ -86,13 +86,13 @@ def test_one_peer_with_outer_lr_1_and_no_momentum_equals_plain_training(fragment
     _train(plain, batches)
     outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
     loop, _ = _streaming(streamed, 8, SyncConfig(fragments=fragments), outer)
-    _train(streamed, batches, lambda s: loop.after_step(s, 100 * s, {}))
+    _train(streamed, batches, lambda s: advance(loop, 100 * s, {}))
     # θ̄ − (θ̄ − θ) equals θ up to fp32 rounding, which AdamW then carries along (~1e-5)
     assert float((_params(plain) - _params(streamed)).abs().max()) < 1e-4
     # ... while an outer step that does anything else is far off
     half = copy.deepcopy(base)
     loop, _ = _streaming(half, 8, SyncConfig(fragments=fragments), OuterOptimizerConfig(lr=0.5, momentum=0.0))
-    _train(half, batches, lambda s: loop.after_step(s, 100 * s, {}))
+    _train(half, batches, lambda s: advance(loop, 100 * s, {}))
     assert float((_params(plain) - _params(half)).abs().max()) > 1e-3
 
 
@@ -104,7 +104,7 @@ def test_alpha_one_equals_no_communication():
     loop, syncs = _streaming(
         streamed, 8, SyncConfig(fragments=4, overlap_steps=1, mixing_alpha=1.0), OuterOptimizerConfig()
     )
-    _train(streamed, batches, lambda s: loop.after_step(s, 100 * s, {}))
+    _train(streamed, batches, lambda s: advance(loop, 100 * s, {}))
     assert torch.equal(_params(plain), _params(streamed))
     assert all(r > 0 for ms in syncs.values() for r in ms.fragment_rounds)  # syncs did happen
 
@@ -136,7 +136,7 @@ def test_mixing_formula_matches_closed_form_for_every_tau(tau, alpha):
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(1.0)
-        loop.after_step(step, 100 * step, {})
+        advance(loop, 100 * step, {})
     for ms in syncs.values():
         for f, (local, global_) in enumerate(CLOSED_FORM[(tau, alpha)]):
             assert set(ms.plan.gather(ms.local_params, f).tolist()) == {local}, (ms.module_id, f)
@@ -200,7 +200,7 @@ def test_p1_tau0_reproduces_per_module_diloco():
 
     _train(reference, batches, diloco)
     loop, _ = _streaming(streamed, h, SyncConfig(fragments=1, overlap_steps=0), outer)
-    _train(streamed, batches, lambda s: loop.after_step(s, 100 * s, {}))
+    _train(streamed, batches, lambda s: advance(loop, 100 * s, {}))
     assert torch.allclose(_params(reference), _params(streamed), atol=1e-5)
 
 
@@ -266,15 +266,14 @@ def test_sparse_error_feedback_loses_nothing_and_keeps_copies_identical(dht_fact
         holders = {"l0m0": [m.peer_id for m in members]}
         loops = []
         for m, ms in zip(members, syncs, strict=True):
-            loop = StreamingOuter({"l0m0": ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "test"))
-            loop.runner = m.runner
-            loops.append(loop)
+            metrics = PeerMetrics("t", m.peer_id, "0", "test")
+            loops.append(StreamingOuter({"l0m0": ms}, manifest, m.peer_id, metrics, m.runner))
 
         def train(i: int) -> None:
             def after(step: int) -> None:
                 if step % h == 0:
                     raw[i] += syncs[i].outer_gradient(0).double()
-                loops[i].after_step(step, 100 * step, holders)
+                advance(loops[i], 100 * step, holders)
 
             _train(models[i], _batches(h * rounds, seed=10 + i), after)
 

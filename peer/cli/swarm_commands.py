@@ -155,9 +155,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         if args.keep_state is not None:
             from peer.swarm.keeper import Keeper
 
-            keeper = Keeper(
-                dht, key, manifest, manifest.name, args.keep_state, args.keep_every_seconds, dht_lock
-            )
+            keeper = Keeper(dht, key, manifest, record, args.keep_state, args.keep_every_seconds, dht_lock)
             keeper.start()
         artifacts = _serve_run_artifacts(dht, manifest, args)
         print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)

@@ -2,11 +2,14 @@
 
 A `Keeper` (`pathswarm bootstrap --manifest_path M --keep_state DIR`) holds no path. Every
 `interval` it reads the run's claims and, for each module some ready holder has advanced past the
-kept copy, downloads that holder's state and keeps it only once another holder confirms its digest
-(`peer.sync.state_transfer`; a module with a single holder is kept unconfirmed). Kept states are
-written atomically to DIR (so a restarted keeper resumes), announced in a signed `StashRecord`, and
-served like a holder's. A joiner that finds no live holder of a module takes it from a keeper before
-it would ever start the module again from its initial weights.
+kept copy, downloads that holder's state and keeps it only once a holder with standing other than
+its sender confirms its digest (`peer.sync.state_fetch`; the state of a module's only holder with
+standing is kept unconfirmed). A leaving holder's request to keep its state now (`Kind.KEEP`) is
+taken only from a holder of that module with standing (`peer.sync.standing`): a stranger, or a key
+without admission where the module has admitted holders, is refused. Kept states are written
+atomically to DIR (so a restarted keeper resumes), announced in a signed `StashRecord`, and served
+like a holder's. A joiner that finds no live holder of a module takes it from a keeper before it
+would ever start the module again from its initial weights.
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import STASH_TTL_SECONDS, stash_key
 from dht.records import read_records, store_record
-from dht.schema import KeptModule, StashRecord
+from dht.schema import ClaimRecord, KeptModule, ManifestRecord, StashRecord
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest
 from peer.model.grid import all_module_ids
 from peer.model.transformer import build_module_shape_only
+from peer.run.admission import AdmissionCheck
 from peer.swarm.claims import ClaimView, holders_by_module
 from peer.sync import wire
 from peer.sync.fragments import FragmentPlan
 from peer.sync.inbox import Inbox
 from peer.sync.module_sync import module_digest
 from peer.sync.service import SyncService
-from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
+from peer.sync.standing import Standing
+from peer.sync.state_fetch import fetch_confirmed, fetch_module_state
 from peer.sync.state_transfer import StateHistory, digests_of, install_state_handlers
 from peer.sync.wire import Kind
 
@@ -51,12 +56,17 @@ def state_numels(manifest: RunManifest, module_id: str) -> list[int]:
     return sizes + sizes
 
 
-def kept_modules(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, list[tuple[str, int]]]:
+def kept_modules(
+    dht: hivemind.DHT, run_name: str, run_id: str, tokens: dict[str, str] | None = None
+) -> dict[str, list[tuple[str, int]]]:
     """module -> (keeper peer id, total fragment rounds kept) from the keepers' stash records; the
-    keepers themselves under the key "" (a keeper that holds nothing yet announces itself too)."""
+    keepers themselves under the key "" (a keeper that holds nothing yet announces itself too).
+    Each keeper's admission token goes into `tokens`, if given."""
     out: dict[str, list[tuple[str, int]]] = {"": []}
     for record, _ in read_records(dht, stash_key(run_name, run_id), StashRecord):
         out[""].append((record.peer_id, 0))
+        if tokens is not None:
+            tokens[record.peer_id] = record.admission
         for mid, kept in record.modules.items():
             out.setdefault(mid, []).append((record.peer_id, sum(kept.fragment_rounds)))
     return out
@@ -70,27 +80,36 @@ class Keeper:
         dht: hivemind.DHT,
         key: RSAPrivateKey,
         manifest: RunManifest,
-        run_name: str,
+        record: ManifestRecord,
         directory: Path,
         interval_seconds: float = 30.0,
         dht_lock: threading.Lock | None = None,
+        admission: str = "",
     ):
         """`dht_lock`: held around every DHT call, shared with other threads using the same node
-        (hivemind's DHT handle must not be called from two threads at once)."""
-        self.dht, self.key, self.manifest, self.run_name = dht, key, manifest, run_name
+        (hivemind's DHT handle must not be called from two threads at once); `admission`: this
+        keeper's token (none needed when it runs with the creator's key)."""
+        self.dht, self.key, self.manifest, self.run_name = dht, key, manifest, manifest.name
         self.run_id = manifest.run_id
+        self.admission = admission
         self.directory = Path(directory)
         self.interval = interval_seconds
         self.peer_id = str(dht.peer_id)
         self.numels = {mid: state_numels(manifest, mid) for mid in all_module_ids(manifest.model)}
         self.states: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self.history = StateHistory()
-        self._claims = ClaimView(run_name, self.run_id)
+        self._claims = ClaimView(self.run_name, self.run_id)
+        #: the claims as last read (whose tokens give standing)
+        self.claims: dict[str, ClaimRecord] = {}
         self._dht_lock = dht_lock or threading.Lock()
         self._stop = threading.Event()
         self._load()
-        inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0)  # takes no rounds
-        self.service = SyncService(dht, self.run_id, inbox, manifest.sync.averaging_timeout_seconds + 30)
+        self.standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, self._token_of)
+        self.standing.own_token = admission
+        inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0, self.standing)
+        self.service = SyncService(
+            dht, self.run_id, inbox, manifest.sync.averaging_timeout_seconds + 30, key=key
+        )
         install_state_handlers(self.service, self.states.get, self.history)
         self.service.extra_handlers[Kind.KEEP] = self._on_keep
         self._keeping: set[str] = set()  # modules being fetched on a leaving holder's request
@@ -110,6 +129,15 @@ class Keeper:
         if self.states:
             logger.info(f"keeper: resumed {len(self.states)} kept module states from {self.directory}")
 
+    def _token_of(self, peer: str) -> str:
+        claim = self.claims.get(peer)
+        return claim.admission if claim is not None else ""
+
+    def _read_claims(self) -> dict[str, ClaimRecord]:
+        with self._dht_lock:
+            self.claims = self._claims.update(self.dht)
+        return self.claims
+
     def start(self) -> None:
         self.publish()  # peers learn there is a keeper even before it keeps anything
         self._thread.start()
@@ -124,8 +152,7 @@ class Keeper:
 
     def refresh(self) -> int:
         """One pass over the modules; returns how many kept states advanced."""
-        with self._dht_lock:
-            claims = self._claims.update(self.dht)
+        claims = self._read_claims()
         holders = holders_by_module({p: c for p, c in claims.items() if not c.client_mode})
         advanced = 0
         for mid, peers in sorted(holders.items()):
@@ -134,15 +161,7 @@ class Keeper:
             if not ahead:
                 continue
             ahead.sort(key=lambda p: -sum(claims[p].module_rounds.get(mid, [0])))
-            sync = self.manifest.sync
-            coro = fetch_confirmed(
-                self.service, mid, self.numels[mid], ahead,
-                sync.averaging_timeout_seconds, sync.report_timeout_seconds,
-            )  # fmt: skip
-            budget = fetch_budget_seconds(
-                self.numels[mid], len(ahead), sync.averaging_timeout_seconds, sync.report_timeout_seconds
-            )
-            got = self.service.call(coro, budget)
+            got = fetch_module_state(self.service, mid, self.numels[mid], ahead, self.manifest.sync)
             if got is not None and sum(got[1]) > kept:
                 self._keep(mid, got[1], got[2], True)
                 advanced += 1
@@ -150,21 +169,30 @@ class Keeper:
             logger.warning("keeper: could not publish what it keeps")
         return advanced
 
+    def _may_keep_from(self, sender: str, module: str) -> bool:
+        """Whether `sender` is a holder of `module` with standing (admitted where the module has
+        admitted holders): only such a holder's state is taken on its word that it is leaving."""
+        claims = self.claims if sender in self.claims else self._read_claims()
+        holders = [p for p, c in claims.items() if module in c.modules]
+        return sender in holders and sender in self.standing.trusted(holders)
+
     async def _on_keep(self, sender: str, body: bytes, reader, writer) -> None:
         """A leaving holder's request: fetch its state now (one such fetch per module at a time)."""
         request = wire.parse(wire.Keep, body)
-        ok = False
+        ok, loop = False, asyncio.get_running_loop()
         if (
             request.run == self.service.run
             and request.module in self.numels
             and request.module not in self._keeping
+            and await loop.run_in_executor(None, self._may_keep_from, sender, request.module)
         ):
             self._keeping.add(request.module)
             try:
                 sync = self.manifest.sync
+                holders = [p for p, c in self.claims.items() if request.module in c.modules]
                 got = await fetch_confirmed(
                     self.service, request.module, self.numels[request.module], [sender],
-                    sync.averaging_timeout_seconds, sync.report_timeout_seconds,
+                    sync.averaging_timeout_seconds, sync.report_timeout_seconds, holders,
                 )  # fmt: skip
                 kept = sum(self.states[request.module][0]) if request.module in self.states else -1
                 if got is not None and sum(got[1]) >= kept:
@@ -173,7 +201,7 @@ class Keeper:
                         self._keep(request.module, got[1], got[2], True)
                         self.publish()
 
-                    await asyncio.get_running_loop().run_in_executor(None, keep_and_announce)
+                    await loop.run_in_executor(None, keep_and_announce)
                     ok = True
             finally:
                 self._keeping.discard(request.module)
@@ -195,7 +223,7 @@ class Keeper:
             mid: KeptModule(fragment_rounds=rounds, digest=module_digest(digests_of(tensors)))
             for mid, (rounds, tensors) in self.states.items()
         }
-        record = StashRecord(peer_id=self.peer_id, modules=modules)
+        record = StashRecord(peer_id=self.peer_id, modules=modules, admission=self.admission)
         with self._dht_lock:
             return store_record(
                 self.dht, stash_key(self.run_name, self.run_id), self.key, record, STASH_TTL_SECONDS

@@ -25,6 +25,7 @@ from peer import __version__
 from peer.config import PeerConfig, RunManifest
 from peer.model.grid import Path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
+from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
 from peer.swarm.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
 from peer.swarm.keeper import kept_modules
@@ -40,6 +41,7 @@ from peer.swarm.probes import (
     sample_peers,
 )
 from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation
+from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,9 @@ class Membership:
         self._heartbeat: threading.Thread | None = None
         #: the peer's artifact service, whose offers the heartbeat keeps published (None: no artifacts)
         self.artifacts = None
+        self._keeper_tokens: dict[str, str] = {}
+        #: whose votes count, from the tokens in claims (peer/run/admission.py); ours goes in our claim
+        self.standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, self._token_of)
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -132,19 +137,32 @@ class Membership:
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """(keeper peer id, total fragment rounds) of every module a keeper holds."""
         with self._lock:
-            kept = kept_modules(self.dht, self.run_name, self.run_id)
+            kept = kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)
         kept.pop("", None)
         return kept
 
     def keepers(self) -> list[str]:
         with self._lock:
-            return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id)[""]]
+            return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)[""]]
+
+    def _token_of(self, peer: str) -> str:
+        """The admission token a peer's claim (or a keeper's record) carries."""
+        claim = self.claims.get(peer)
+        return claim.admission if claim is not None else self._keeper_tokens.get(peer, "")
 
     def modules_only_we_hold(self, modules: list[str] | None = None) -> list[str]:
-        """Modules of our path (or `modules` of it) no other ready peer holds (we are their last holder)."""
-        others = holders_by_module({p: c for p, c in self.claims.items() if p != self.peer_id})
+        """Modules of our path (or `modules` of it) no other ready peer with standing holds (we are
+        their last holder): a claim of a key without admission listing a module does not spare us
+        handing it over where we hold standing."""
+        holders = holders_by_module(self.claims)
         ours = path_module_ids(self.manifest.model, self.path) if modules is None else modules
-        return [m for m in ours if not others.get(m)]
+        return [
+            m
+            for m in ours
+            if not [
+                p for p in self.standing.trusted({*holders.get(m, []), self.peer_id}) if p != self.peer_id
+            ]
+        ]
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""
@@ -189,6 +207,7 @@ class Membership:
             bytes_sent=p.bytes_sent,
             bytes_received=p.bytes_received,
             path_steps=claimed_path_steps(p.path_steps),
+            admission=self.standing.own_token,
         )
 
     def publish_claim(self, leaving: bool = False) -> None:

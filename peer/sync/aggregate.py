@@ -15,13 +15,23 @@ Aggregators (the run's `sync.aggregator`):
   member counts as one ordinary member.
 * `trimmed_mean` — coordinate-wise: the largest and smallest ⌊trim·n⌋ values of every coordinate
   are dropped (at least one each side from 3 members on), the rest averaged (norms clipped first).
+* `median` — the coordinate-wise median of the (norm-clipped) inputs.
 * `centered_clip` (default) — CenteredClip (Karimireddy et al. 2021, used by BTARD, Gorbunov et al. 2022):
   starting from the coordinate-wise median, v ← v + Σ wᵢ·clip(xᵢ − v, τ) / Σ wᵢ for a few
   iterations, τ = the median distance of the inputs from the start; a member far from the others
   moves the result by at most τ·wᵢ/Σw.
 
 With fewer than three members nobody can be outvoted: the robust methods fall back to
-`clipped_mean` there.
+`clipped_mean` there, and its caps come from the receiving member's own part (`own`), not from the
+pair: the median of two is their mean, which the other member sets alone.
+
+Standing (peer/run/admission.py): the methods above combine the parts of admitted members. A part of
+a member still on probation is weighed against that result as FLTrust weighs a client's update
+against the server's (Cao et al., NDSS 2021): rescaled to the admitted result's norm, its weight at
+most the smallest admitted weight, times the cosine of its angle to the admitted result, and nothing
+when it points away. So a fresh key can add at most one small member's worth of the admitted
+direction, and can neither reverse, scale nor redirect the update. Where no part is admitted (an
+open run without an authority) every part is treated as admitted.
 """
 
 from __future__ import annotations
@@ -33,16 +43,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-AGGREGATORS = ("mean", "clipped_mean", "trimmed_mean", "centered_clip")
+AGGREGATORS = ("mean", "clipped_mean", "trimmed_mean", "median", "centered_clip")
 
 
 @dataclass(frozen=True)
 class Contribution:
-    """One member's decoded outer gradient and its claimed weight (tokens since its last sync)."""
+    """One member's decoded outer gradient, its claimed weight (tokens since its last sync) and
+    whether the member is admitted (its standing, the same on every member of the round)."""
 
     peer_id: str
     delta: np.ndarray  # float32, flat
     weight: float
+    admitted: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,21 +83,43 @@ def exact_norm(x: np.ndarray) -> float:
     return math.sqrt(float(np.add.accumulate(squares.reshape(-1))[-1]))
 
 
-def _weights(contributions: Sequence[Contribution], cap: float | None) -> list[float]:
+def exact_dot(x: np.ndarray, y: np.ndarray) -> float:
+    """⟨x, y⟩ in float64, summed in index order (identical on every machine, as `exact_norm`)."""
+    if x.size == 0:
+        return 0.0
+    products = np.multiply(x, y, dtype=np.float64)
+    return float(np.add.accumulate(products.reshape(-1))[-1])
+
+
+def _reference(values: list[float], own: float | None) -> float:
+    """What a cap is a multiple of: the group's median, or with two members the receiver's own value
+    (the median of two is their mean, which either of them sets alone)."""
+    if len(values) == 2 and own is not None:
+        return own
+    return statistics.median(values)
+
+
+def _capped_weights(contributions: Sequence[Contribution], cap: float | None, own: Contribution | None):
     weights = [float(c.weight) for c in contributions]
     if cap is not None and len(weights) > 1:
-        limit = cap * statistics.median(weights)
+        limit = cap * _reference(weights, None if own is None else float(own.weight))
         weights = [min(w, limit) for w in weights]
+    return weights
+
+
+def _weights(contributions: Sequence[Contribution], cap: float | None, own: Contribution | None = None):
+    weights = _capped_weights(contributions, cap, own)
     total = math.fsum(weights)
     return [w / total for w in weights]
 
 
-def _clip_norms(contributions: Sequence[Contribution], cap: float) -> list[np.ndarray]:
-    """Each input scaled down to at most `cap` × the median input norm (identical everywhere)."""
+def _clip_norms(contributions: Sequence[Contribution], cap: float, own: Contribution | None = None):
+    """Each input scaled down to at most `cap` × the median input norm (identical everywhere), or
+    with two members × the receiver's own norm."""
     norms = [exact_norm(c.delta) for c in contributions]
     if len(norms) < 2:
         return [c.delta for c in contributions]
-    limit = cap * statistics.median(norms)
+    limit = cap * _reference(norms, None if own is None else exact_norm(own.delta))
     out = []
     for c, norm in zip(contributions, norms, strict=True):
         factor = 1.0 if norm <= limit or norm == 0 else limit / norm
@@ -115,9 +149,7 @@ def _trimmed_mean(inputs: Sequence[np.ndarray], trim_fraction: float) -> np.ndar
 
 def _centered_clip(inputs: Sequence[np.ndarray], weights: Sequence[float], iterations: int) -> np.ndarray:
     stacked = np.stack(inputs).astype(np.float64)
-    ordered = np.sort(stacked, axis=0)
-    n = len(inputs)
-    v = np.multiply(np.add(ordered[(n - 1) // 2], ordered[n // 2]), np.float64(0.5))  # coordinate median
+    v = _median(inputs)
     tau = statistics.median(exact_norm(np.subtract(x, v)) for x in stacked)
     for _ in range(iterations):
         step = np.zeros_like(v)
@@ -130,29 +162,73 @@ def _centered_clip(inputs: Sequence[np.ndarray], weights: Sequence[float], itera
     return v
 
 
-def aggregate(contributions: Sequence[Contribution], config: AggregatorConfig) -> np.ndarray:
-    """The group's outer gradient (float32), identical on every member given the same inputs."""
+def _median(inputs: Sequence[np.ndarray]) -> np.ndarray:
+    ordered = np.sort(np.stack(inputs).astype(np.float64), axis=0)
+    n = len(inputs)
+    return np.multiply(np.add(ordered[(n - 1) // 2], ordered[n // 2]), np.float64(0.5))
+
+
+def _combine(ordered: list[Contribution], config: AggregatorConfig, own: Contribution | None) -> np.ndarray:
+    method = config.method
+    if len(ordered) < 3 and method in ("trimmed_mean", "median", "centered_clip"):
+        method = "clipped_mean"  # two members cannot outvote each other: bound them, then average
+    own = own if own is not None and any(c.peer_id == own.peer_id for c in ordered) else None
+    if method == "mean":
+        return _weighted_sum([c.delta for c in ordered], _weights(ordered, None))
+    clipped = _clip_norms(ordered, config.norm_cap, own)
+    if method == "clipped_mean":
+        return _weighted_sum(clipped, _weights(ordered, config.weight_cap, own))
+    if method == "trimmed_mean":
+        return _trimmed_mean(clipped, config.trim_fraction)
+    if method == "median":
+        return _median(clipped)
+    if method == "centered_clip":
+        return _centered_clip(clipped, _weights(ordered, config.weight_cap, own), config.iterations)
+    raise ValueError(f"unknown aggregator {method!r}; choose one of {', '.join(AGGREGATORS)}")
+
+
+def _with_probation(
+    core: np.ndarray, admitted: list[Contribution], probation: list[Contribution], config: AggregatorConfig
+) -> np.ndarray:
+    """The admitted result with the parts of members on probation weighed in, FLTrust's way."""
+    core_norm = exact_norm(core)
+    weights = _capped_weights(admitted, config.weight_cap, None)
+    smallest = min(weights)
+    acc = np.multiply(core, np.float64(math.fsum(weights)), dtype=np.float64)
+    total = [math.fsum(weights)]
+    taken = 0
+    for c in probation:
+        norm = exact_norm(c.delta)
+        if norm == 0 or core_norm == 0:
+            continue
+        cosine = exact_dot(c.delta, core) / (norm * core_norm)
+        if cosine <= 0:
+            continue  # pointing away from what the admitted members agree on: it adds nothing
+        weight = min(float(c.weight), smallest) * cosine
+        rescaled = np.multiply(c.delta, np.float64(core_norm / norm), dtype=np.float64)
+        acc = np.add(acc, np.multiply(rescaled, np.float64(weight)))
+        total.append(weight)
+        taken += 1
+    return np.divide(acc, np.float64(math.fsum(total))) if taken else core
+
+
+def aggregate(
+    contributions: Sequence[Contribution], config: AggregatorConfig, own: Contribution | None = None
+) -> np.ndarray:
+    """The group's outer gradient (float32), identical on every member given the same inputs. `own`
+    is the receiving member's own part (it sets the caps of a pair); it is not added to the inputs."""
     if not contributions:
         raise ValueError("nothing to aggregate")
     ordered = sorted(contributions, key=lambda c: c.peer_id)
     if len({c.delta.shape for c in ordered}) != 1:
         raise ValueError("contributions of different shapes")
-    method = config.method
-    if len(ordered) < 3 and method in ("trimmed_mean", "centered_clip"):
-        method = "clipped_mean"  # two members cannot outvote each other: bound them, then average
-    if method == "mean":
-        result = _weighted_sum([c.delta for c in ordered], _weights(ordered, None))
-    elif method == "clipped_mean":
-        result = _weighted_sum(_clip_norms(ordered, config.norm_cap), _weights(ordered, config.weight_cap))
-    elif method == "trimmed_mean":
-        result = _trimmed_mean(_clip_norms(ordered, config.norm_cap), config.trim_fraction)
-    elif method == "centered_clip":
-        result = _centered_clip(
-            _clip_norms(ordered, config.norm_cap), _weights(ordered, config.weight_cap), config.iterations
-        )
-    else:
-        raise ValueError(f"unknown aggregator {method!r}; choose one of {', '.join(AGGREGATORS)}")
-    return result.astype(np.float32)
+    admitted = [c for c in ordered if c.admitted]
+    probation = [c for c in ordered if not c.admitted] if admitted else []
+    admitted = admitted or ordered
+    core = _combine(admitted, config, own)
+    if probation:
+        core = _with_probation(core, admitted, probation, config)
+    return core.astype(np.float32)
 
 
 def combine_copies(copies: Sequence[tuple[str, np.ndarray]], iterations: int = 3) -> np.ndarray:

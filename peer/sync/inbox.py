@@ -1,12 +1,16 @@
 """What other holders sent this peer for its rounds: outer gradients and reports, validated and bounded.
 
 The inbox accepts a message only for a module this peer holds, from a peer the claim view says holds
-it too, for a round inside the window [current, current + LOOKAHEAD_ROUNDS] of that fragment (a
-faster holder may be a round or two ahead; older rounds are over). Each sender gets one delivery and
-one report per round; the number of senders per round is capped; a payload is decoded and checked
-(finite, norm bound) before it counts. Messages are kept until their round is applied. A sender
-whose parts fail those checks BAN_AFTER_BAD_PARTS times is refused outright for BAN_SECONDS: its
-headers, payloads and reports cost us nothing more, and every round leaves it out.
+it too (and, in an invite run, that the run's creator admitted: `peer.sync.standing`), for a round
+inside the window [current, current + LOOKAHEAD_ROUNDS] of that fragment (a faster holder may be a
+round or two ahead; older rounds are over). Each sender gets one delivery per round; reports are
+signed and kept per reporter, whoever relayed them (`peer.sync.reports`: two different ones from one
+reporter are the evidence that it equivocated); the number of senders per round is capped; a
+payload is decoded and checked (finite, norm bound) before it counts. Messages are kept until their
+round is applied, and the parts of the last rounds a while longer, for members that missed one the
+group agreed on. A sender whose parts fail those checks BAN_AFTER_BAD_PARTS times, or that is caught
+sending different reports, is refused outright for BAN_SECONDS: its headers, payloads and reports
+cost us nothing more, and every round leaves it out.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from peer.codecs.formats import Codec, CodecError
+from peer.sync.reports import RoundReports
+from peer.sync.standing import Standing
 from peer.sync.wire import DeltaHeader, Report
 
 logger = logging.getLogger(__name__)
@@ -31,26 +38,33 @@ LOOKAHEAD_ROUNDS = 2
 Key = tuple[str, int, int]  # (module, fragment, round)
 
 #: refusals that only a broken or hostile sender earns (stale, ahead, duplicate, full happen to honest ones)
-HOSTILE_REASONS = frozenset({"shape", "dtype", "nonfinite", "norm"})
+HOSTILE_REASONS = frozenset({"shape", "dtype", "nonfinite", "norm", "equivocation"})
+#: decided rounds whose parts stay available to members that missed one the group agreed on
+RECENT_ROUNDS_KEPT = 64
 #: hostile refusals after which a sender is banned, and for how long
 BAN_AFTER_BAD_PARTS = 3
 BAN_SECONDS = 600.0
 
 
-def delivery_digest(weight: float, payload: bytes) -> str:
-    """What members compare to see that a sender sent everyone the same thing (weight included)."""
-    return hashlib.sha256(repr(float(weight)).encode() + b"\0" + payload).hexdigest()
+def delivery_digest(weight: float, admission: str, payload: bytes) -> str:
+    """What members compare to see that a sender sent everyone the same thing (its weight and
+    standing included, so that every member weighs it alike)."""
+    head = repr(float(weight)).encode() + b"\0" + admission.encode() + b"\0"
+    return hashlib.sha256(head + payload).hexdigest()
 
 
 @dataclass
 class Delivery:
-    """One member's outer gradient for one round, decoded and checked."""
+    """One member's outer gradient for one round, decoded and checked; `payload` as it came (for a
+    member that missed it)."""
 
     sender: str
     weight: float
     digest: str
     delta: torch.Tensor
     wire_bytes: int
+    admission: str = ""
+    payload: bytes = b""
 
 
 class Refused(Exception):
@@ -66,7 +80,9 @@ class _Slot:
     """Everything received for one round key, and an event set on each arrival."""
 
     deliveries: dict[str, Delivery] = field(default_factory=dict)
-    reports: dict[str, Report] = field(default_factory=dict)
+    reports: RoundReports = field(default_factory=RoundReports)
+    #: members whose echo (the reports they hold) arrived
+    echoes: set[str] = field(default_factory=set)
     #: senders whose outer gradient we refused (malformed, non-finite, banned): not waited for
     refused: dict[str, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -82,14 +98,22 @@ class Inbox:
         is_holder: Callable[[str, str], bool],
         max_senders: int,
         max_delta_norm: float,
+        standing: Standing | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.fragment_sizes = fragment_sizes
         self.codec = codec
         self.is_holder = is_holder
         self.max_senders = max_senders
         self.max_delta_norm = max_delta_norm
+        self.standing = standing or Standing(None, "open")
+        self.clock = clock
         self.current: dict[tuple[str, int], int] = {}
         self._slots: dict[Key, _Slot] = {}
+        #: the parts of decided rounds, for members that missed one the group agreed on
+        self._recent: OrderedDict[Key, dict[str, Delivery]] = OrderedDict()
+        #: module -> peer -> rounds of ours whose agreed senders included it (what an authority asks)
+        self.accepted: dict[str, Counter[str]] = {}
         #: the highest round another holder announced per fragment (a hint that we fell behind)
         self.seen_ahead: dict[tuple[str, int], int] = {}
         #: module -> holder -> when it last offered us an outer gradient (it is active in the module)
@@ -104,7 +128,7 @@ class Inbox:
         self._strikes[sender] = self._strikes.get(sender, 0) + 1
         if self._strikes[sender] >= BAN_AFTER_BAD_PARTS:
             self._strikes.pop(sender)
-            self._banned_until[sender] = time.monotonic() + BAN_SECONDS
+            self.ban(sender)
             logger.warning(
                 f"banned {sender} for {BAN_SECONDS:.0f} s: {BAN_AFTER_BAD_PARTS} malformed, non-finite "
                 "or oversized parts"
@@ -112,7 +136,7 @@ class Inbox:
 
     def banned(self, sender: str) -> bool:
         until = self._banned_until.get(sender)
-        if until is not None and time.monotonic() >= until:
+        if until is not None and self.clock() >= until:
             del self._banned_until[sender]
             until = None
         return until is not None
@@ -132,9 +156,33 @@ class Inbox:
         """The fragment's next round is `round_index`: drop what belongs to earlier rounds."""
         self.current[(module, fragment)] = round_index
         for key in [k for k in self._slots if k[0] == module and k[1] == fragment and k[2] < round_index]:
-            del self._slots[key]
+            self._slots.pop(key)
 
-    def check_key(self, sender: str, module: str, fragment: int, round_index: int) -> Key:
+    def keep_parts(self, key: Key, parts: dict[str, Delivery]) -> None:
+        """Keeps the parts a round agreed on a while, for members that missed some of them."""
+        self._recent[key] = dict(parts)
+        self._recent.move_to_end(key)
+        while len(self._recent) > RECENT_ROUNDS_KEPT:
+            self._recent.popitem(last=False)
+
+    def part(self, key: Key, sender: str, digest: str) -> Delivery | None:
+        """`sender`'s part of round `key` with `digest`, if we have it (live or recently decided)."""
+        for source in (self._slots.get(key), self._recent.get(key)):
+            got = (source.deliveries if isinstance(source, _Slot) else source or {}).get(sender)
+            if got is not None and got.digest == digest:
+                return got
+        return None
+
+    def note_accepted(self, module: str, senders: list[str]) -> None:
+        counts = self.accepted.setdefault(module, Counter())
+        counts.update(s for s in senders)
+        if len(counts) > 4 * self.max_senders:  # bounded: the peers seen least go first
+            for peer, _ in counts.most_common()[4 * self.max_senders :]:
+                del counts[peer]
+
+    def check_key(
+        self, sender: str, module: str, fragment: int, round_index: int, token: str | None = None
+    ) -> Key:
         if self.banned(sender):
             raise Refused("banned", f"{sender} sent too many bad parts")
         sizes = self.fragment_sizes.get(module)
@@ -144,6 +192,8 @@ class Inbox:
             raise Refused("shape", f"{module} has no fragment {fragment}")
         if not self.is_holder(sender, module):
             raise Refused("not_holder", f"{sender} holds no claim on {module}")
+        if not self.standing.takes_part(sender, token):
+            raise Refused("not_admitted", f"{sender} is not admitted to this invite-only run")
         self.active.setdefault(module, {})[sender] = time.monotonic()
         current = self.current.get((module, fragment), 0)
         if round_index > current + LOOKAHEAD_ROUNDS:
@@ -154,8 +204,8 @@ class Inbox:
             raise Refused("stale", f"round {round_index} is over (ours is {current})")
         key = (module, fragment, round_index)
         slot = self.slot(key)
-        if sender not in slot.deliveries and sender not in slot.reports:
-            senders = set(slot.deliveries) | set(slot.reports)
+        if sender not in slot.deliveries and sender not in slot.reports.reports:
+            senders = set(slot.deliveries) | set(slot.reports.reports)
             if len(senders) >= self.max_senders:
                 raise Refused("full", f"{len(senders)} senders already")
         return key
@@ -179,7 +229,7 @@ class Inbox:
 
     def check_delta_header(self, sender: str, header: DeltaHeader) -> Key:
         k = header.key
-        key = self.check_key(sender, k.module, k.fragment, k.round)
+        key = self.check_key(sender, k.module, k.fragment, k.round, header.admission)
         numel = self.fragment_sizes[k.module][k.fragment]
         if header.codec != self.codec.spec.name:
             raise Refused("dtype", f"codec {header.codec}, the run uses {self.codec.spec.name}")
@@ -210,13 +260,45 @@ class Inbox:
         slot.changed.set()
 
     def add_report(self, sender: str, report: Report) -> None:
+        """A report `sender` signed and sent us itself."""
+        if report.reporter != sender:
+            raise Refused("forged", f"a report of {report.reporter[:12]} sent by {sender[:12]} as its own")
         k = report.key
-        key = self.check_key(sender, k.module, k.fragment, k.round)
+        key = self.check_key(sender, k.module, k.fragment, k.round, report.admission)
+        self._take_report(key, report)
+
+    def add_echo(self, sender: str, key: Key, reports: list[Report]) -> None:
+        """The reports `sender` holds for round `key`, relayed: each counts as its reporter signed it."""
+        key = self.check_key(sender, *key)
         slot = self.slot(key)
-        if sender in slot.reports:
-            raise Refused("duplicate", "one report per sender and round")
-        slot.reports[sender] = report
+        for report in reports:
+            if report.key.as_tuple() != key or not self.is_holder(report.reporter, key[0]):
+                continue  # a report of another round, or of a peer that holds nothing here
+            # a reporter we banned still counts when others relay its signed report: our ban is ours
+            # alone, and members that decided on different reports would apply different bits
+            if not self.standing.takes_part(report.reporter, report.admission):
+                continue
+            try:
+                self._take_report(key, report)
+            except Refused as e:  # one bad report in an echo spoils only itself
+                logger.debug(f"a report relayed by {sender} was refused: {e}")
+        slot.echoes.add(sender)
         slot.changed.set()
+
+    def _take_report(self, key: Key, report: Report) -> None:
+        slot = self.slot(key)
+        if report.reporter not in slot.reports.reports and len(slot.reports.reports) >= self.max_senders:
+            raise Refused("full", f"{len(slot.reports.reports)} reporters already")
+        caught = report.reporter in slot.reports.equivocators
+        if not slot.reports.add(report):
+            raise Refused("forged", f"a report not signed by {report.reporter[:12]}")
+        if not caught and report.reporter in slot.reports.equivocators:
+            logger.warning(f"{report.reporter} sent different reports for round {key}: left out and banned")
+            self.ban(report.reporter)
+        slot.changed.set()
+
+    def ban(self, sender: str) -> None:
+        self._banned_until[sender] = self.clock() + BAN_SECONDS
 
     async def wait(
         self, key: Key, until: Callable[[_Slot], bool], deadline: float, poll_seconds: float = 0.5

@@ -34,6 +34,8 @@ from peer.sync.wire import Ack, Kind
 logger = logging.getLogger(__name__)
 
 Copy = tuple[torch.Tensor, torch.Tensor]  # a fragment's θ̄ and outer momentum
+#: a copy with a value beyond this is no model's state (the bound `ModuleSync.load_state` applies)
+MAX_STATE_ABS = 1e6
 
 
 class ReportedCopies:
@@ -67,11 +69,8 @@ class ReportedCopies:
 def install_copy_handler(service: SyncService, copies: ReportedCopies) -> None:
     async def on_copy_request(sender: str, body: bytes, reader, writer) -> None:
         request = wire.parse(wire.CopyRequest, body)
-        got = (
-            copies.find(request.module, request.fragment, request.digest)
-            if request.run == service.run
-            else None
-        )
+        allowed = request.run == service.run and service.inbox.standing.takes_part(sender)
+        got = copies.find(request.module, request.fragment, request.digest) if allowed else None
         if got is None:
             await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="not kept")))
             return
@@ -114,10 +113,11 @@ async def merged_copy(
     reported: dict[str, str],
     timeout: float,
 ) -> tuple[Copy, list[str]]:
-    """Combines our copy with the copies in `reported` (peer -> digest): each distinct copy is
-    downloaded once (from the first of its holders, by peer id, that sends it) and counts once per
-    member that reported it; ours is not downloaded. Returns the merged (θ̄, momentum) and the peers
-    whose copies went in."""
+    """Combines the copies in `reported` (peer -> digest: the round's voters, us among them when we
+    vote): each distinct copy is downloaded once (from the first of its holders, by peer id, that
+    sends it; ours is not downloaded) and counts once per member that reported it. A copy no holder
+    sends is left out; so is one with values a state may not have (`MAX_STATE_ABS`). Returns the
+    merged (θ̄, momentum) and the peers whose copies went in."""
     numel = own[0].numel()
     camps: dict[str, list[str]] = {}
     for peer in sorted(reported):
@@ -127,18 +127,27 @@ async def merged_copy(
         if digest == own_digest:
             return own
         for peer in holders:
+            if peer == service.peer_id:
+                continue
             try:
-                return await download_copy(service, peer, module, fragment, digest, numel, timeout)
+                copy = await download_copy(service, peer, module, fragment, digest, numel, timeout)
             except Exception as e:
                 logger.warning(f"{module} fragment {fragment}: no copy from {peer}: {type(e).__name__}: {e}")
+                continue
+            if not all(bool(t.abs().max() <= MAX_STATE_ABS) for t in copy):
+                logger.warning(f"{module} fragment {fragment}: {peer}'s copy holds values past 1e6")
+                return None
+            return copy
         return None
 
     digests = sorted(camps)
     got = await asyncio.gather(*(one(d, camps[d]) for d in digests))
-    copies = {service.peer_id: own}
+    copies: dict[str, Copy] = {}
     for digest, copy in zip(digests, got, strict=True):
         if copy is not None:
             copies.update({p: copy for p in camps[digest]})
+    if not copies:
+        return own, []
 
     def combine() -> Copy:
         parts = []

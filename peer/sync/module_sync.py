@@ -110,15 +110,23 @@ class ModuleSync:
         return self.global_flats[fragment] - self.plan.gather(self.local_params, fragment)
 
     @torch.no_grad()
-    def with_error(self, fragment: int, delta: torch.Tensor, decay: float) -> torch.Tensor:
-        """Δ plus the decayed part of earlier outer gradients that a sparse codec did not send."""
+    def corrected_outer_gradient(self, fragment: int, codec, decay: float) -> torch.Tensor:
+        """The fragment's Δ to send: with a codec that keeps error feedback (SparseLoCo's), plus the
+        decayed rest of earlier outer gradients that did not go out (`settle_feedback` keeps it)."""
+        delta = self.outer_gradient(fragment)
         e = self.errors[fragment]
-        return delta if e is None else torch.add(delta, torch.mul(e, decay))
+        if not codec.spec.error_feedback or e is None:
+            return delta
+        return torch.add(delta, torch.mul(e, decay))
 
     @torch.no_grad()
-    def keep_unsent(self, fragment: int, corrected: torch.Tensor, sent: torch.Tensor | None) -> None:
-        """Error feedback: what of `corrected` did not go out (`sent` None: all of it went out)."""
-        self.errors[fragment] = None if sent is None else torch.sub(corrected, sent)
+    def settle_feedback(self, fragment: int, corrected: torch.Tensor, sent: torch.Tensor | None) -> None:
+        """Error feedback, once a round is applied: the rest of `corrected` that `sent` (what of it went
+        into the step: None for nothing) left out is added to the next outer gradient."""
+        if sent is corrected:
+            self.errors[fragment] = None
+        else:
+            self.errors[fragment] = corrected.clone() if sent is None else torch.sub(corrected, sent)
 
     def digest(self, fragment: int) -> str:
         if self._digests[fragment] is None:

@@ -10,6 +10,11 @@ nobody else still gets its outer step, from this peer's own Δ.
 The round's members are the module's ready holders in the claim view (or this peer's planned
 subgroup of them), and its key is the fragment's count of applied syncs, which every holder whose
 copy is in step shares: no matchmaking.
+
+`StreamingOuter` is called one way: the peer's sync layer (`PathSync`) advances it each step
+(`tick`), takes the syncs whose τ ran out (`due`), collects their results (`collect`) and has each
+applied (`apply`) once it dealt with what the result asks of it (a merge, a state download): nothing
+here calls back up.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from monitoring.metrics import PeerMetrics
+from peer.codecs.formats import make_codec
 from peer.config import RunManifest
 from peer.faults import fault_point
 from peer.sync.fragments import fragments_due, sync_offsets
@@ -35,15 +39,6 @@ logger = logging.getLogger(__name__)
 #: (module, round) -> (subgroup index, members) of this peer's planned averaging subgroup, or None
 #: when every holder averages together
 GroupOf = Callable[[str, int], tuple[int, list[str]] | None]
-#: called after a module fragment's round was applied (history, inbox window, repairs)
-Applied = Callable[[ModuleSync, int, RoundResult], None]
-#: called when other holders are past a round of ours: fetch their state; True if it was loaded
-Behind = Callable[[ModuleSync, list[str]], bool]
-#: called when a module fragment's round starts, with the digest of the copy it reports
-Started = Callable[[ModuleSync, int, str], None]
-#: called before a round is applied whose group held diverged copies with no majority: merge ours
-#: (the one with this digest) with theirs (peer -> digest)
-Merge = Callable[[ModuleSync, int, str, dict[str, str]], None]
 
 
 def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
@@ -61,8 +56,10 @@ class PendingSync:
     due_step: int
     weight: float
     futures: dict[str, object] = field(default_factory=dict)
-    #: each module's own Δ at the start, which it applies if its round failed
+    #: each module's own Δ at the start (error feedback added in), which it applies if its round failed
     deltas: dict[str, object] = field(default_factory=dict)
+    #: sparse codecs: each module's Δ as its payload carries it (what the group got of `deltas`)
+    sent: dict[str, object] = field(default_factory=dict)
     #: each module's state epoch at the start: a round started before a download does not apply
     epochs: dict[str, int] = field(default_factory=dict)
     #: each module's digest of the copy it reported at the start
@@ -179,28 +176,30 @@ class StreamingOuter:
         manifest: RunManifest,
         peer_id: str,
         metrics: PeerMetrics,
+        runner: RoundRunner | None,
         group_of: GroupOf | None = None,
         round_of: Callable[[], int] | None = None,
+        totals: SyncTotals | None = None,
     ):
-        """`group_of(module, round)` gives this peer's planned subgroup of the module's holders
-        (None: all holders average together); `round_of()` the swarm's round, which rotates them."""
+        """`runner` runs the rounds, and its codec encodes our outer gradients (None: this peer holds
+        its modules alone, every round is its own Δ); `group_of(module, round)` gives this peer's
+        planned subgroup of the module's holders (None: all holders average together); `round_of()`
+        the swarm's round, which rotates them; `totals` carries on the counts of the path this peer
+        rotated away from."""
         self.syncs = syncs
+        self.runner = runner
+        self.codec = runner.codec if runner is not None else make_codec(manifest.sync.codec)
         self.group_of = group_of
         self.round_of = round_of
         self.sync = manifest.sync
         self.inner_steps = manifest.inner_steps
         self.peer_id = peer_id
         self.metrics = metrics
-        self.runner: RoundRunner | None = None
-        self.on_applied: Applied | None = None
-        self.on_behind: Behind | None = None
-        self.on_started: Started | None = None
-        self.on_merge: Merge | None = None
         #: position in the sync schedule, in inner steps; equal on holders in step (not the step count)
         self.clock = 0
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
-        self.totals = SyncTotals()
+        self.totals = totals if totals is not None else SyncTotals()
         self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.inner_steps, self.sync.fragments)
 
     def reset_tokens(self, tokens_total: int) -> None:
@@ -211,20 +210,27 @@ class StreamingOuter:
         a download), so this peer syncs each fragment when its other holders do."""
         self.clock = sync_clock(sum(rounds), self.inner_steps, self.sync.fragments)
 
-    def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
-        """Advances the schedule by one inner step (the peer's `step`): starts the syncs due now and
-        finishes those whose τ ran out."""
+    def tick(self, tokens_total: int, holders: dict[str, list[str]]) -> list[tuple[ModuleSync, int, str]]:
+        """Advances the schedule by one inner step and starts the syncs due now; returns each started
+        (module, fragment, digest of the copy its round reports)."""
         self.overlap.step_ended()
         self.clock += 1
+        started = []
         for fragment in fragments_due(self.clock, self.inner_steps, self.sync.fragments):
-            self._start(fragment, tokens_total, holders)
-        done = [self._finish(p, step) for p in [p for p in self.pending if p.due_step <= self.clock]]
+            started += self._start(fragment, tokens_total, holders)
+        return started
+
+    def due(self) -> list[PendingSync]:
+        """The syncs whose τ ran out, taken off the schedule (the caller collects and applies them)."""
+        done = [p for p in self.pending if p.due_step <= self.clock]
+        self.pending = [p for p in self.pending if p not in done]
         self.overlap.step_started()
         return done
 
-    def drain(self, step: int) -> list[FragmentDone]:
-        """Finishes every sync still in flight (before a checkpoint or leaving)."""
-        return [self._finish(p, step) for p in list(self.pending)]
+    def drain(self) -> list[PendingSync]:
+        """Every sync still in flight (before a checkpoint or leaving)."""
+        done, self.pending = self.pending, []
+        return done
 
     def members_of(self, mid: str, holders: dict[str, list[str]]) -> list[str]:
         """This round's group of a module: our planned subgroup, or every ready holder (us included)."""
@@ -239,41 +245,37 @@ class StreamingOuter:
             ]
         return sorted(set(members) | {self.peer_id})
 
-    def _start(self, fragment: int, tokens_total: int, holders: dict[str, list[str]]) -> None:
+    def _start(self, fragment: int, tokens_total: int, holders) -> list[tuple[ModuleSync, int, str]]:
         weight = max(1, tokens_total - self._tokens_at_sync[fragment])
         self._tokens_at_sync[fragment] = tokens_total
         pending = PendingSync(fragment, self.clock + self.overlap.tau, float(weight))
         fault_point("outer.before_allreduce")
-        codec = self.runner.codec if self.runner is not None else None
-        feedback = codec is not None and codec.spec.error_feedback
+        started = []
         for mid, ms in self.syncs.items():
             if ms.fragment_size(fragment) == 0:
                 continue
-            delta = ms.outer_gradient(fragment)
-            if feedback:
-                delta = ms.with_error(fragment, delta, self.sync.error_feedback_decay)
+            delta = ms.corrected_outer_gradient(fragment, self.codec, self.sync.error_feedback_decay)
             members = self.members_of(mid, holders)
+            pending.deltas[mid] = delta
             if len(members) < 2 or self.runner is None:
-                ms.keep_unsent(fragment, delta, None)  # applied whole: nothing is left unsent
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
             payload = None
-            if feedback:
+            if self.codec.spec.error_feedback:
                 # encoded once here: the unsent rest is what these bytes leave out, and the runner
                 # sends exactly them
-                payload = codec.encode(delta)
-                ms.keep_unsent(fragment, delta, codec.decode(payload, delta.numel()).view_as(delta))
+                payload = self.codec.encode(delta)
+                pending.sent[mid] = self.codec.decode(payload, delta.numel()).view_as(delta)
             key = (mid, fragment, ms.fragment_rounds[fragment])
             digest = ms.digest(fragment)
-            if self.on_started is not None:
-                self.on_started(ms, fragment, digest)
-            pending.deltas[mid] = delta
+            started.append((ms, fragment, digest))
             pending.epochs[mid] = ms.epoch
             pending.digests[mid] = digest
             future = self.runner.start(key, delta, weight, members, digest, payload)
             pending.futures[mid] = future
             future.add_done_callback(self._prepare_when_done(pending, mid, ms, fragment))
         self.pending.append(pending)
+        return started
 
     @staticmethod
     def _prepare_when_done(pending: PendingSync, mid: str, ms: ModuleSync, fragment: int):
@@ -286,11 +288,10 @@ class StreamingOuter:
 
         return prepare
 
-    def _finish(self, pending: PendingSync, step: int) -> FragmentDone:
-        self.pending.remove(pending)
-        fragment = pending.fragment
+    def collect(self, pending: PendingSync) -> dict[str, RoundResult]:
+        """Each module's round result (its own Δ, "failed", where the round did not finish in time)."""
         # the round's own deadlines bound it; this is a last resort against a wedged event loop
-        limit = self.sync.averaging_timeout_seconds + self.sync.report_timeout_seconds + 30
+        limit = self.sync.averaging_timeout_seconds + 2 * self.sync.report_timeout_seconds + 30
         waiting_since = time.monotonic()
         for mid, future in pending.futures.items():
             try:
@@ -301,33 +302,36 @@ class StreamingOuter:
         if pending.futures:
             self.overlap.sync_waited(time.monotonic() - waiting_since)
         fault_point("outer.after_allreduce")
-        for mid, r in pending.results.items():
-            ms = self.syncs[mid]
-            if pending.epochs.get(mid, ms.epoch) != ms.epoch:
-                continue  # the module's state was downloaded meanwhile: it already holds this round
-            if r.outcome == "behind":
-                self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
-                self.totals.add(r)
-                if self.on_behind is not None and self.on_behind(ms, r.ahead):
-                    logger.info(f"{mid}: other holders were past our round; fetched their state")
-                continue
-            if ms.errors[fragment] is not None and r.outcome in ("alone", "failed", "excluded"):
-                # the error feedback assumed our sparse part went into the group's Δ̄: it did not
-                unsent = r.outcome == "excluded"
-                ms.keep_unsent(fragment, pending.deltas[mid], torch.zeros(()) if unsent else None)
-            if r.merge_with and self.on_merge is not None:
-                self.on_merge(ms, fragment, pending.digests[mid], r.merge_with)
-            ms.apply(fragment, r.delta, self.sync.mixing_alpha, _prepared(pending, mid, r))
-            if self.on_applied is not None:
-                self.on_applied(ms, fragment, r)
-            self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
-            self.totals.add(r)
-            for reason, count in r.bad_parts.items():
-                for _ in range(count):
-                    self.metrics.bad_part(reason)
-            if r.outcome not in ("averaged", "alone"):
-                logger.warning(f"{mid} fragment {fragment}: {r.outcome} ({r.detail})")
-        return FragmentDone(fragment, step, pending.results, self.overlap.tau)
+        return pending.results
+
+    def record(self, r: RoundResult) -> None:
+        """Counts a round's result in the metrics and the totals."""
+        self.metrics.observe_round(r.outcome, r.seconds, r.group_size, r.bytes_sent, r.bytes_received)
+        self.totals.add(r)
+        for reason, count in r.bad_parts.items():
+            for _ in range(count):
+                self.metrics.bad_part(reason)
+
+    def apply(self, pending: PendingSync, mid: str, r: RoundResult) -> None:
+        """The round's outer step on the module's fragment (and the error feedback's account of what
+        our part contributed to it)."""
+        ms, fragment = self.syncs[mid], pending.fragment
+        if self.codec.spec.error_feedback:
+            ms.settle_feedback(fragment, pending.deltas[mid], _sent_part(pending, mid, r))
+        ms.apply(fragment, r.delta, self.sync.mixing_alpha, _prepared(pending, mid, r))
+        self.record(r)
+        if r.outcome not in ("averaged", "alone"):
+            logger.warning(f"{mid} fragment {fragment}: {r.outcome} ({r.detail})")
+
+
+def _sent_part(pending: PendingSync, mid: str, r: RoundResult):
+    """What of our corrected Δ went into the step applied: the payload's part when the group averaged
+    it, all of it when we applied it alone, none of it when the group left it out."""
+    if r.outcome in ("alone", "failed"):
+        return pending.deltas[mid]
+    if r.outcome == "excluded":
+        return None
+    return pending.sent.get(mid, pending.deltas[mid])
 
 
 def _prepared(pending: PendingSync, mid: str, result: RoundResult) -> PreparedStep | None:

@@ -4,9 +4,11 @@
 DiLoCo outer loop over them (`StreamingOuter`), and the peer's end of the sync protocol: the
 `SyncService` (P2P), the `RoundRunner`, the history of state digests other holders may ask to
 confirm. It catches up from the holders that are ahead — downloading a module's state from one of
-them and loading it only once another holder confirms its digest — repairs a copy that a round's
-reports show to differ from the group's majority, and keeps the sync state a checkpoint holds
-(every fragment's round, since fragments of a module sync at different steps).
+them and loading it only once a holder with standing confirms its digest — repairs a copy that a
+round's voters show to differ from their majority, merges copies that have none, and keeps the sync
+state a checkpoint holds (every fragment's round, since fragments of a module sync at different
+steps). The training loop calls only this class (`after_step`, `drain`), which drives the outer loop
+and deals with what each round's result asks for.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import hivemind
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
@@ -30,10 +33,11 @@ from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
-from peer.sync.outer import GroupOf, StreamingOuter
+from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
-from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
+from peer.sync.standing import Standing
+from peer.sync.state_fetch import fetch_module_state
 from peer.sync.state_transfer import StateHistory, install_state_handlers
 from peer.sync.wire import Kind
 
@@ -97,13 +101,11 @@ class PathSync:
             )
             for mid in model.module_ids
         }
-        self.outer = StreamingOuter(self.syncs, manifest, peer_id, metrics, group_of, round_of)
-        if kept is not None:
-            self.outer.totals = kept.outer.totals
-        self.outer.on_applied = self._applied
-        self.outer.on_behind = self._behind
-        self.outer.on_started = self._started
-        self.outer.on_merge = self._merge
+        self._group_of, self._round_of = group_of, round_of
+        #: the outer loop, built by `start` with the round runner
+        self.outer: StreamingOuter | None = None
+        self._totals = kept.totals if kept is not None else SyncTotals()
+        self._tokens_total = 0
         sync = manifest.sync
         # long enough for every member of a round to download the copy we reported in it
         self.copies = ReportedCopies(2 * (sync.averaging_timeout_seconds + sync.report_timeout_seconds) + 60)
@@ -116,16 +118,34 @@ class PathSync:
         """The trunk is on every path, so its round is the swarm's clock."""
         return self.syncs[TRUNK].outer_round
 
+    @property
+    def totals(self) -> SyncTotals:
+        return self.outer.totals if self.outer is not None else self._totals
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether fragment syncs are still running (a rotation waits for a round without any)."""
+        return self.outer is not None and bool(self.outer.pending)
+
+    def reset_tokens(self, tokens_total: int) -> None:
+        """The next syncs' weights count tokens from `tokens_total` (after a restore or a rotation)."""
+        self._tokens_total = tokens_total
+        if self.outer is not None:
+            self.outer.reset_tokens(tokens_total)
+
     def start(
         self,
         dht: hivemind.DHT,
         is_holder: Callable[[str, str], bool],
         service: SyncService | None = None,
+        key: RSAPrivateKey | None = None,
+        standing: Standing | None = None,
     ) -> None:
-        """Opens this peer's end of the protocol (call once the modules hold their starting state).
-        After a rotation, `service` is the old path's: the peer keeps its P2P stream handler (the
-        daemon does not reliably route a protocol re-registered by another replica) and its inbox's
-        bans and pending deliveries; only the modules the inbox accepts change."""
+        """Opens this peer's end of the protocol (call once the modules hold their starting state):
+        `key` signs our reports, `standing` says whose votes count. After a rotation, `service` is the
+        old path's: the peer keeps its P2P stream handler (the daemon does not reliably route a
+        protocol re-registered by another replica) and its inbox's bans and pending deliveries; only
+        the modules the inbox accepts change."""
         sync = self.manifest.sync
         codec = make_codec(sync.codec)
         sizes = {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()}
@@ -136,8 +156,11 @@ class PathSync:
                 is_holder,
                 max_senders=sync.max_round_senders,
                 max_delta_norm=sync.max_delta_norm,
+                standing=standing,
             )
-            service = SyncService(dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30)
+            service = SyncService(
+                dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30, key=key
+            )
         else:
             service.inbox.fragment_sizes = sizes
             self._refused_seen = Counter(service.refused)
@@ -148,7 +171,13 @@ class PathSync:
             method=sync.aggregator, weight_cap=sync.weight_cap, norm_cap=sync.norm_cap
         )
         settings = RoundSettings(sync.averaging_timeout_seconds, sync.report_timeout_seconds, aggregator)
-        self.outer.runner = RoundRunner(self.service, codec, settings)
+        runner = RoundRunner(self.service, codec, settings)
+        self.outer = StreamingOuter(
+            self.syncs, self.manifest, self.peer_id, self.metrics, runner, self._group_of, self._round_of,
+            self._totals,
+        )  # fmt: skip
+        self.outer.reset_tokens(self._tokens_total)
+        self.align()
         for ms in self.syncs.values():
             self._track(ms)
 
@@ -166,6 +195,39 @@ class PathSync:
         # apply() replaces the tensors rather than writing into them, so these references stay whole
         rounds, tensors = list(ms.fragment_rounds), ms.state_tensors()
         return rounds, tensors
+
+    # --- the outer loop ----------------------------------------------------------------------------
+
+    def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
+        """One inner step done: starts the fragment syncs due now, and finishes those whose τ ran out."""
+        for ms, fragment, digest in self.outer.tick(tokens_total, holders):
+            # every member may download the copy we report in this round to merge it
+            self.copies.forget_old()
+            self.copies.remember(ms.module_id, fragment, digest, ms.fragment_copy(fragment))
+        return [self._finish(p, step) for p in self.outer.due()]
+
+    def drain(self, step: int) -> list[FragmentDone]:
+        """Finishes every sync still in flight (before a checkpoint, a rotation or leaving)."""
+        return [self._finish(p, step) for p in self.outer.drain()] if self.outer is not None else []
+
+    def _finish(self, pending: PendingSync, step: int) -> FragmentDone:
+        """Collects a fragment sync's results and does what each asks: a download when others are past
+        the round, a merge of diverged copies before the step, the step, a repair after it."""
+        fragment = pending.fragment
+        for mid, r in self.outer.collect(pending).items():
+            ms = self.syncs[mid]
+            if pending.epochs.get(mid, ms.epoch) != ms.epoch:
+                continue  # the module's state was downloaded meanwhile: it already holds this round
+            if r.outcome == "behind":
+                self.outer.record(r)
+                if self._behind(ms, r.ahead):
+                    logger.info(f"{mid}: other holders were past our round; fetched their state")
+                continue
+            if r.merge_with:
+                self._merge(ms, fragment, pending.digests[mid], r.merge_with)
+            self.outer.apply(pending, mid, r)
+            self._applied(ms, fragment, r)
+        return FragmentDone(fragment, step, pending.results, self.outer.overlap.tau)
 
     def _applied(self, ms: ModuleSync, fragment: int, result: RoundResult) -> None:
         self._track(ms)
@@ -186,10 +248,6 @@ class PathSync:
             logger.log(level, f"{mid}: our copy differs from the one the group keeps ({why}); repairing it")
             self.fetch_state(ms, result.repair_from)
 
-    def _started(self, ms: ModuleSync, fragment: int, digest: str) -> None:
-        self.copies.forget_old()
-        self.copies.remember(ms.module_id, fragment, digest, ms.fragment_copy(fragment))
-
     def _merge(self, ms: ModuleSync, fragment: int, own_digest: str, reported: dict[str, str]) -> None:
         own = self.copies.find(ms.module_id, fragment, own_digest)
         if own is None or self.service is None:
@@ -199,6 +257,9 @@ class PathSync:
         coro = merged_copy(self.service, ms.module_id, fragment, own, own_digest, reported, timeout)
         try:
             (theta, momentum), used = self.service.call(coro, timeout + 30)
+            if not used:
+                logger.warning(f"{ms.module_id} fragment {fragment}: no copy to merge came; keeping ours")
+                return
             ms.load_fragment_copy(fragment, theta, momentum)
         except Exception as e:
             logger.error(
@@ -206,9 +267,13 @@ class PathSync:
             )
             return
         self.metrics.copies_merged()
-        logger.warning(
+        # a group's first rounds after joins (its members' views of each other still settling) merge
+        # as a matter of course; a copy that was in step and then split is worth a warning
+        level = logging.INFO if ms.settling > 0 else logging.WARNING
+        logger.log(
+            level,
             f"{ms.module_id} fragment {fragment}: the group's copies differed with no majority "
-            f"({len(set(reported.values()) | {own_digest})} copies); merged those of {len(used)} members"
+            f"({len(set(reported.values()) | {own_digest})} copies); merged those of {len(used)} members",
         )
 
     def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
@@ -216,12 +281,13 @@ class PathSync:
         if fetched:  # in step again, with the group's views of its members still to settle
             ms.settling = SETTLING_ROUNDS
         if fetched and ms.module_id == TRUNK:
-            self.outer.align(ms.fragment_rounds)
+            self.align()
         return fetched
 
     def align(self) -> None:
         """Puts the sync schedule where the trunk's fragment rounds say the swarm is."""
-        self.outer.align(self.syncs[TRUNK].fragment_rounds)
+        if self.outer is not None:
+            self.outer.align(self.syncs[TRUNK].fragment_rounds)
 
     # --- catching up and repairing ------------------------------------------------------------------
 
@@ -288,22 +354,10 @@ class PathSync:
         return untaken
 
     def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
-        """Loads a module's state from the first donor whose state another holder confirms."""
-        sync = self.manifest.sync
+        """Loads a module's state from the first donor whose state a holder with standing confirms."""
         numels = [t.numel() for t in ms.state_tensors()]
-        coro = fetch_confirmed(
-            self.service,
-            ms.module_id,
-            numels,
-            donors,
-            sync.averaging_timeout_seconds,
-            sync.report_timeout_seconds,
-        )
-        budget = fetch_budget_seconds(
-            numels, len(donors), sync.averaging_timeout_seconds, sync.report_timeout_seconds
-        )
         started = time.monotonic()
-        got = self.service.call(coro, budget)
+        got = fetch_module_state(self.service, ms.module_id, numels, donors, self.manifest.sync)
         if got is None:
             logger.error(f"{ms.module_id}: no holder sent a confirmed state; going on with our own copy")
             return False
@@ -318,7 +372,7 @@ class PathSync:
         if not was_confirmed:
             # a swarm of two (a joiner and one holder) has nobody else to ask: not a fault, and nothing
             # the volunteer could act on; a state other holders contradict is refused (and warned of)
-            logger.info(f"{ms.module_id}: {donor} is its only other holder; its state is unconfirmed")
+            logger.info(f"{ms.module_id}: {donor} is its only holder with standing; its state is unconfirmed")
         try:
             ms.load_state(dict(module=ms.module_id, fragment_rounds=rounds), tensors)
         except StateRejected as e:
@@ -356,7 +410,7 @@ class PathSync:
         for mid, ms in self.syncs.items():
             ms.load_named_state(tensors, rounds.get(mid, [outer_round] * ms.n_fragments))
             self._track(ms)
-        self.outer.reset_tokens(tokens_total)
+        self.reset_tokens(tokens_total)
         self.align()
 
     def shutdown(self) -> None:

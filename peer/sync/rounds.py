@@ -3,23 +3,27 @@
 The group is planned: every holder derives the members of (module, fragment, round) from the claim
 view it already keeps, so a round starts the moment a member's outer gradient is ready. Then:
 
-1. **gather** — the member sends its encoded Δ to every other member and collects theirs, until every
-   member delivered, could not be reached, or `averaging_timeout` passed;
-2. **report** — it tells every member what it received (sender -> digest of weight and payload) and
-   the digest of its own copy of the fragment before the round, and collects their reports for a
-   short while;
-3. **agree** — a sender counts only if every report received lists the same digest for it: a member
-   whose Δ some did not get (it died mid-round, stalled, or was refused as malformed) is left out by
-   all of them alike, and one that sent different bytes to different members is left out too;
-4. **aggregate** — every member computes the run's robust aggregate of the agreed Δs with the same
-   deterministic code (`peer.sync.aggregate`), so the holders' copies stay bit-identical.
+1. **gather** — the member sends its encoded Δ (with its standing: the creator's admission token, or
+   none on probation) to every other member and collects theirs, until every member delivered, could
+   not be reached, or `averaging_timeout` passed;
+2. **report** — it signs and sends every member what it received (sender -> digest of weight,
+   standing and payload) and the digest of its own copy of the fragment before the round;
+3. **echo** — it relays every signed report it holds to every member that reported, so that all of
+   them decide on the same reports, and a member that told members different things is caught by
+   whoever holds both of its reports (it is left out and banned);
+4. **decide** — `peer.sync.agreement`: voters are the admitted reporters; a sender counts when a
+   strict majority of voters list the same digest for it; a member that lacks an agreed part fetches
+   it from a voter that has it; every member computes the same robust aggregate of the agreed parts
+   with the same deterministic code (`peer.sync.aggregate`), so the holders' copies stay
+   bit-identical.
 
 A member whose own Δ was left out (it was late) applies the others' aggregate all the same, which
-keeps it in step. The reports' copy digests tell a member whose copy differs from a strict majority
-of the group that it must repair it (`repair_from`); where the copies differ and none has a strict
-majority (a healed partition, a split cut mid-round), every member merges them all before applying
-the round (`merge_with`, `peer.sync.merge`). What a member cannot know (whether a report it never
-got would have changed its agreed set) is caught the next round by those digests.
+keeps it in step. "You are behind" counts only when a strict majority of the admitted members say it
+(one key answering "stale" to everything is just left out). The voters' copy digests tell a member
+whose copy differs from a strict majority that it must repair it (`repair_from`); where no copy has a
+strict majority (a healed partition, a split cut mid-round) every member merges the voters' copies
+(`merge_with`, `peer.sync.merge`). What a member cannot know (a report that reached nobody in time)
+is caught the next round by those digests.
 """
 
 from __future__ import annotations
@@ -27,16 +31,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from peer.codecs.formats import Codec
 from peer.sync import wire
-from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
+from peer.sync.aggregate import AggregatorConfig
+from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part
 from peer.sync.inbox import Delivery, Key, delivery_digest
+from peer.sync.reports import sign_report
 from peer.sync.service import SyncService
 from peer.sync.wire import Kind
 
@@ -44,10 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
-
-
-#: a member that no longer claims the module (it left) while we waited for its Δ
-LEFT = "left (its claim is gone)"
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
 
@@ -57,8 +57,9 @@ class RoundResult:
     """What one round produced for this member. `delta` is the group's aggregate (or our own Δ when
     nobody else took part)."""
 
-    #: "averaged" | "excluded" (our Δ was left out) | "alone" | "behind" (others are past this
-    #: round: nothing is applied, the state is fetched) | "failed"
+    #: "averaged" | "excluded" (our Δ was left out) | "alone" | "incomplete" (an agreed part could
+    #: not be fetched: we applied the rest, the next round's digests repair us) | "behind" (others are
+    #: past this round: nothing is applied, the state is fetched) | "failed"
     outcome: str
     delta: torch.Tensor
     group_size: int
@@ -70,14 +71,14 @@ class RoundResult:
     members: list[str] = field(default_factory=list)
     #: expected members left out of the aggregate, with why ("missing", "unreachable", "disputed")
     dropped: dict[str, str] = field(default_factory=dict)
-    #: our copy differed from a strict majority of the group before the round: download the state of
+    #: our copy differed from a strict majority of the voters before the round: download the state of
     #: one of these members (after it applied this round too)
     repair_from: list[str] = field(default_factory=list)
     bad_parts: dict[str, int] = field(default_factory=dict)
     #: members that had already applied this round: we are behind them and must fetch their state
     ahead: list[str] = field(default_factory=list)
-    #: the copies differ with no strict majority: merge ours with these members' (peer -> the digest
-    #: of the copy it reported) before applying the round
+    #: the voters' copies differ with no strict majority: merge these (peer -> the digest of the copy
+    #: it reported; ours among them if we vote) before applying the round
     merge_with: dict[str, str] = field(default_factory=dict)
 
 
@@ -88,14 +89,6 @@ class RoundSettings:
     averaging_timeout_seconds: float
     report_timeout_seconds: float
     aggregator: AggregatorConfig
-
-
-def _group_copy(digests: Counter, holders: int) -> str | None:
-    """The copy a strict majority of the group holds, if any. Without one, no copy is picked: a rule
-    over claimed digests could be gamed by a member that grinds a small one, and would throw the other
-    camps' work away; the copies are merged instead."""
-    top, count = digests.most_common(1)[0]
-    return top if count * 2 > holders else None
 
 
 class RoundRunner:
@@ -131,15 +124,7 @@ class RoundRunner:
             self._run(key, own, float(weight), sorted(set(members) | {self.me}), state_digest, payload)
         )
 
-    async def _run(
-        self,
-        key: Key,
-        own: torch.Tensor,
-        weight: float,
-        members: list[str],
-        state_digest: str,
-        payload: bytes | None = None,
-    ):
+    async def _run(self, key, own, weight, members, state_digest, payload=None):
         started = time.monotonic()
         # this round's own bytes: rounds of a path's modules run at once on one service, so the
         # service's totals would count each other's traffic
@@ -155,47 +140,52 @@ class RoundRunner:
         result.bytes_received = sum(d.wire_bytes for s, d in deliveries.items() if s != self.me)
         return result
 
-    async def _round(
-        self,
-        key: Key,
-        own: torch.Tensor,
-        weight: float,
-        members: list[str],
-        state_digest: str,
-        payload: bytes | None,
-    ):
+    async def _round(self, key, own, weight, members, state_digest, payload):
         loop = asyncio.get_running_loop()
         inbox = self.service.inbox
+        token = inbox.standing.own_token
         if payload is None:
             payload = await loop.run_in_executor(None, self.codec.encode, own)
+        digest = delivery_digest(weight, token, payload)
         mine = Delivery(
-            self.me,
-            weight,
-            delivery_digest(weight, payload),
-            self.codec.decode(payload, own.numel()),
-            len(payload),
+            self.me, weight, digest, self.codec.decode(payload, own.numel()), len(payload), token, payload
         )
         inbox.add_delivery(key, mine)
         # a holder that already sent us its Δ for this round is a member, whatever our view said
         others = sorted({m for m in members if m != self.me} | set(inbox.slot(key).deliveries) - {self.me})
         if not others:
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
+        failed: dict[str, str] = {}
+        sends = await self._gather(key, own, weight, payload, token, others, failed)
+        slot = inbox.slot(key)
+        logger.debug(f"{key}: gathered {sorted(slot.deliveries)} of {others}, failed {failed}")
+        for m, why in slot.refused.items():
+            failed.setdefault(m, f"its part was refused ({why})")
+        received = {s: d.digest for s, d in slot.deliveries.items()}
+        sends += await self._report(key, received, state_digest, token, others)
+        # our sends go on until their own deadlines: a member that is late still needs our Δ and
+        # report to agree with us (cancelling a report that crossed its twin loses it)
+        self._keep(sends)
+        return await self._decide(key, own, mine, members, state_digest, failed)
+
+    async def _gather(self, key, own, weight, payload, token, others, failed) -> list[asyncio.Task]:
+        """Sends our Δ to every other member and waits for theirs (or their absence)."""
+        loop = asyncio.get_running_loop()
+        inbox = self.service.inbox
         header = wire.DeltaHeader(
             run=self.service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2]),
             weight=weight, codec=self.codec.spec.name, numel=own.numel(), payload_bytes=len(payload),
+            admission=token,
         )  # fmt: skip
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
         deadline = loop.time() + self.settings.averaging_timeout_seconds
-        failed: dict[str, str] = {}
-        sends = [asyncio.create_task(self._send(m, frames, deadline, failed, inbox, key)) for m in others]
+        sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key)) for m in others]
 
         def gathered(slot) -> bool:
             for sender in slot.deliveries:
                 if sender != self.me and sender not in others:  # joined while we gather: send it ours
                     others.append(sender)
-                    sends.append(
-                        asyncio.create_task(self._send(sender, frames, deadline, failed, inbox, key))
-                    )
+                    sends.append(asyncio.create_task(self._send(sender, frames, deadline, failed, key)))
             for m in others:
                 # a member whose claim went (it announced it is leaving, or its claim expired) after
                 # it took our Δ will not send its own: waiting for it would hold the round, and our
@@ -210,30 +200,45 @@ class RoundRunner:
             )
 
         await inbox.wait(key, gathered, deadline)
-        slot = inbox.slot(key)
-        logger.debug(f"{key}: gathered {sorted(slot.deliveries)} of {others}, failed {failed}")
-        received = {s: d.digest for s, d in slot.deliveries.items()}
-        for m, why in slot.refused.items():
-            failed.setdefault(m, f"its part was refused ({why})")
-        report = wire.Report(
-            run=self.service.run, key=header.key, received=received, state_digest=state_digest
-        )
-        report_frames = [wire.pack_header(Kind.REPORT, report)]
-        report_deadline = loop.time() + self.settings.report_timeout_seconds
-        report_sends = [
-            asyncio.create_task(self._send(m, report_frames, report_deadline, {}, None, key)) for m in others
-        ]
-        reporters = [s for s in received if s != self.me]
-        await inbox.wait(key, lambda slot: all(r in slot.reports for r in reporters), report_deadline)
-        logger.debug(f"{key}: reports from {sorted(slot.reports)} of {reporters}")
-        # our sends go on until their own deadlines: a member that is late still needs our Δ and
-        # report to agree with us (cancelling a report that crossed its twin loses it)
-        self._keep(sends + report_sends)
-        return await self._agree(
-            key, own, members, received, dict(slot.reports), dict(slot.deliveries), state_digest, failed
-        )
+        return sends
 
-    async def _send(self, member: str, frames, deadline: float, failed: dict, inbox, key: Key) -> None:
+    async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
+        """Signs and sends our report, waits for the others', then relays every report we hold."""
+        loop = asyncio.get_running_loop()
+        inbox, service = self.service.inbox, self.service
+        slot = inbox.slot(key)
+        round_key = wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
+        report = wire.Report(
+            run=service.run, key=round_key, received=received, state_digest=state_digest, admission=token
+        )
+        report = await loop.run_in_executor(None, sign_report, report, service.key, self.me)
+        slot.reports.add(report)
+        deadline = loop.time() + self.settings.report_timeout_seconds
+        frames = [wire.pack_header(Kind.REPORT, report)]
+        sends = [asyncio.create_task(self._send(m, frames, deadline, {}, key, inbox=False)) for m in others]
+        reporters = [s for s in received if s != self.me]  # members alive enough to have sent us their Δ
+        await inbox.wait(key, lambda slot: all(r in slot.reports.reports for r in reporters), deadline)
+        logger.debug(f"{key}: reports from {sorted(slot.reports.reports)} of {reporters}")
+        # the echo: every report we hold (both of an equivocator's), to every member that reported
+        held = list(slot.reports.reports.values()) + [b for _, b in slot.reports.equivocators.values()]
+        echo = wire.Echo(run=service.run, key=round_key, count=len(held))
+        echo_frames = [wire.pack_header(Kind.ECHO, echo), *(wire.pack_header(Kind.REPORT, r) for r in held)]
+        targets = sorted(r for r in slot.reports.reports if r != self.me and r in received)
+        echo_deadline = loop.time() + self.settings.report_timeout_seconds
+        sends += [asyncio.create_task(self._echo(m, echo_frames, echo_deadline, key)) for m in targets]
+        await inbox.wait(key, lambda slot: all(m in slot.echoes for m in targets), echo_deadline)
+        return sends
+
+    async def _echo(self, member: str, frames, deadline: float, key: Key) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await self.service.send_all(member, frames, max(0.1, deadline - loop.time()))
+            if key in self._sent:
+                self._sent[key] += sum(len(f) for f in frames)
+        except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
+            logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")
+
+    async def _send(self, member: str, frames, deadline: float, failed: dict, key: Key, inbox=True) -> None:
         """Delivers `frames` to `member` before `deadline`. A member that refuses because the round is
         ahead of its own (it is behind us, fetching state) or because it does not know us as a holder
         yet is offered the frames again until the deadline. One that refuses because the round is
@@ -256,54 +261,88 @@ class RoundRunner:
                 continue
             failed[member] = "ahead" if ack.reason.startswith("stale") else f"refused ({ack.reason})"
             break
-        if inbox is not None:
-            inbox.slot(key).changed.set()
+        if inbox:
+            self.service.inbox.slot(key).changed.set()
 
-    async def _agree(
-        self, key, own, members, received, reports, deliveries, state_digest, failed
-    ) -> RoundResult:
+    def _behind(self, others: list[str], failed: dict[str, str]) -> list[str]:
+        """The members past this round, if a strict majority of the members with standing say so
+        (one key answering "stale" to everything is left out of the round, not followed)."""
         ahead = sorted(m for m, why in failed.items() if why == "ahead")
+        if not ahead:
+            return []
+        voters = self.service.inbox.standing.trusted(others)
+        return ahead if 2 * len(set(ahead) & set(voters)) > len(voters) else []
+
+    async def _decide(self, key, own, mine: Delivery, members, state_digest, failed) -> RoundResult:
+        inbox = self.service.inbox
+        standing = inbox.standing
+        others = [m for m in members if m != self.me]
+        ahead = self._behind(others, failed)
         if ahead:  # others finished this round without us: catch up rather than go on alone
             detail = f"{len(ahead)} members are past this round"
             return RoundResult("behind", own, 1, members=[self.me], ahead=ahead, detail=detail)
-        agreed = [
-            s for s in sorted(received) if all(r.received.get(s) == received[s] for r in reports.values())
-        ]
-        dropped = {}
-        for m in members:
-            if m in agreed:
-                continue
-            if m not in received:
-                # unreachable or missing because it has left since: say so (an expected absence)
-                gone = not self.service.inbox.is_holder(m, key[0])
-                dropped[m] = LEFT if gone else failed.get(m, "missing")
-            else:
-                dropped[m] = "disputed (not every member received the same)"
-        if not agreed:  # every delivery disputed: nothing the group agrees on, go on with our own
-            return RoundResult("alone", own, 1, dropped=dropped, detail="no delivery every member agreed on")
-        contributions = [Contribution(s, deliveries[s].delta.numpy(), deliveries[s].weight) for s in agreed]
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(None, aggregate, contributions, self.settings.aggregator)
-        aggregated = torch.from_numpy(np.ascontiguousarray(result))
-        digests = Counter([state_digest] + [r.state_digest for r in reports.values()])
-        holders = 1 + len(reports)
-        repair = []
-        top = _group_copy(digests, holders)
-        if top is not None and top != state_digest:
-            repair = sorted(p for p, r in reports.items() if r.state_digest == top)
-        merge_with = {}
-        if top is None:  # several copies, none held by a strict majority
-            merge_with = {p: r.state_digest for p, r in reports.items()}
-        if self.me not in agreed:
-            outcome = "excluded"
-        elif len(agreed) == 1:
-            outcome = "alone"
+        slot = inbox.slot(key)
+        honest = slot.reports.honest()
+        caught = set(slot.reports.equivocators)
+        voters = standing.voters({r: rep.admission for r, rep in honest.items()})
+        agreed = agreed_parts(slot, voters, caught)
+        parts = {
+            s: slot.deliveries[s]
+            for s, d in agreed.items()
+            if s in slot.deliveries and slot.deliveries[s].digest == d
+        }
+        for sender in sorted(set(agreed) - set(parts)):  # agreed, but we lack it or hold another copy
+            holders = [v for v in voters if v != self.me and honest[v].received.get(sender) == agreed[sender]]
+            got = await fetch_part(
+                self.service,
+                key,
+                sender,
+                agreed[sender],
+                holders,
+                own.numel(),
+                self.settings.report_timeout_seconds,
+            )
+            if got is not None:
+                parts[sender] = got
+        dropped = self._dropped(key, members, parts, agreed, caught, failed, slot)
+        if not parts:  # nothing the voters agree on: go on with our own
+            return RoundResult(
+                "alone", own, 1, dropped=dropped, detail="no part a majority of voters agreed on"
+            )
+        aggregated = await combine(parts, mine, standing, self.settings.aggregator)
+        inbox.keep_parts(key, parts)
+        inbox.note_accepted(key[0], sorted(parts))
+        repair, merge_with = copies_verdict(honest, voters, self.me, state_digest)
+        unfetched = sorted(set(agreed) - set(parts))
+        if unfetched:
+            outcome, detail = (
+                "incomplete",
+                f"agreed parts of {', '.join(u[:12] for u in unfetched)} not fetched",
+            )
+        elif self.me not in parts:
+            outcome, detail = "excluded", "our outer gradient did not reach a majority of the voters in time"
         else:
-            outcome = "averaged"
+            outcome, detail = ("alone" if len(parts) == 1 else "averaged"), ""
         if dropped:  # said by the caller (PathSync), which knows whether we are still joining
             logger.debug(f"{key}: left out of the average: {dropped}")
-        late = "our outer gradient did not reach every member in time"
         return RoundResult(
-            outcome, aggregated, len(agreed), members=agreed, dropped=dropped, repair_from=repair,
-            merge_with=merge_with, detail=late if outcome == "excluded" else "",
+            outcome, aggregated, len(parts), members=sorted(parts), dropped=dropped, repair_from=repair,
+            merge_with=merge_with, detail=detail,
         )  # fmt: skip
+
+    def _dropped(self, key, members, parts, agreed, caught, failed, slot) -> dict[str, str]:
+        """Why each expected member's part is not in the aggregate."""
+        dropped = {}
+        for m in members:
+            if m in parts:
+                continue
+            if m in caught:
+                dropped[m] = "equivocated (sent members different reports)"
+            elif m in agreed:
+                dropped[m] = "agreed, but its part could not be fetched"
+            elif m in slot.deliveries or any(m in r.received for r in slot.reports.reports.values()):
+                dropped[m] = "disputed (no majority of voters received the same)"
+            else:
+                gone = not self.service.inbox.is_holder(m, key[0])
+                dropped[m] = LEFT if gone else failed.get(m, "missing")
+        return dropped

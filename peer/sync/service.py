@@ -3,7 +3,8 @@
 `SyncService` runs an asyncio loop in a background thread of the peer's main process, on a replica
 of the DHT's P2P daemon connection (no averager processes, no DHT matchmaking). Incoming streams
 carry one request each (`peer.sync.wire`): an outer gradient for a round (into the `Inbox`), a
-member's report of a round, a request for a module's state, or a confirmation query about a state
+member's signed report of a round, the reports another member relays (an echo), a request for a
+part the group agreed on, a request for a module's state, or a confirmation query about a state
 digest (`peer.sync.state_transfer`). Every stream has a deadline, so a peer that opens a stream and
 sends nothing (slow loris) only holds it for `stream_timeout_seconds`. The rounds themselves are run
 by `peer.sync.rounds`, on this loop.
@@ -20,6 +21,7 @@ from typing import Any
 
 import hivemind
 from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.background_loop import BackgroundLoop
 from peer.faults import fault_point
@@ -40,9 +42,12 @@ class SyncService:
         inbox: Inbox,
         stream_timeout_seconds: float = 60.0,
         handlers: dict[Kind, Callable] | None = None,
+        key: RSAPrivateKey | None = None,
     ):
+        """`key`: this peer's identity key (its peer id's), which signs its reports."""
         self.run = run_id[:16]
         self.inbox = inbox
+        self.key = key
         self.stream_timeout = stream_timeout_seconds
         self.extra_handlers = dict(handlers or {})
         #: refused messages by reason; read by the peer's metrics
@@ -86,7 +91,7 @@ class SyncService:
             writer.close()
 
     async def _dispatch(self, sender: str, reader, writer) -> None:
-        kinds = {Kind.DELTA, Kind.REPORT, *self.extra_handlers}
+        kinds = {Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, *self.extra_handlers}
         kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
         self.bytes_received += len(body) + 5
         try:
@@ -96,6 +101,11 @@ class SyncService:
                 report = wire.parse(wire.Report, body)
                 self._check_run(report.run)
                 self.inbox.add_report(sender, report)
+            elif kind == Kind.ECHO:
+                await self._on_echo(sender, wire.parse(wire.Echo, body), reader)
+            elif kind == Kind.PART_REQUEST:
+                await self._on_part_request(sender, wire.parse(wire.PartRequest, body), writer)
+                return
             else:
                 await self.extra_handlers[kind](sender, body, reader, writer)
                 return
@@ -111,6 +121,33 @@ class SyncService:
     def _check_run(self, run: str) -> None:
         if run != self.run:
             raise Refused("run", f"run {run}, ours is {self.run}")
+
+    async def _on_echo(self, sender: str, echo: wire.Echo, reader) -> None:
+        self._check_run(echo.run)
+        reports = []
+        for _ in range(echo.count):  # each frame capped before it is read
+            _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
+            self.bytes_received += len(body) + 5
+            reports.append(wire.parse(wire.Report, body))
+        self.inbox.add_echo(sender, echo.key.as_tuple(), reports)
+
+    async def _on_part_request(self, sender: str, request: wire.PartRequest, writer) -> None:
+        """Sends a member the part of a round it missed, as its sender sent it to us."""
+        self._check_run(request.run)
+        key = request.key.as_tuple()
+        if not self.inbox.is_holder(sender, key[0]) or not self.inbox.standing.takes_part(sender):
+            raise Refused("not_holder", f"{sender} holds no claim on {key[0]}")
+        got = self.inbox.part(key, request.sender, request.digest)
+        if got is None:
+            raise Refused("unknown", "no such part here")
+        header = wire.DeltaHeader(
+            run=self.run, key=request.key, weight=got.weight, codec=self.inbox.codec.spec.name,
+            numel=got.delta.numel(), payload_bytes=len(got.payload), admission=got.admission,
+        )  # fmt: skip
+        frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), wire.pack_header(Kind.DELTA, header)]
+        frames.append(wire.pack(Kind.PAYLOAD, got.payload))
+        self.bytes_sent += sum(len(f) for f in frames)
+        await wire.write(writer, *frames)
 
     async def _on_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
         self._check_run(header.run)
@@ -129,8 +166,9 @@ class SyncService:
             raise Refused("shape", f"payload of {len(payload)} bytes, header said {header.payload_bytes}")
         self.bytes_received += len(payload) + 5
         delta = await self.loop.run_in_executor(None, self.inbox.decode, header, payload)
-        digest = delivery_digest(header.weight, payload)
-        self.inbox.add_delivery(key, Delivery(sender, header.weight, digest, delta, len(payload)))
+        digest = delivery_digest(header.weight, header.admission, payload)
+        delivery = Delivery(sender, header.weight, digest, delta, len(payload), header.admission, payload)
+        self.inbox.add_delivery(key, delivery)
 
     async def _ack(self, writer, ack: Ack) -> None:
         frame = wire.pack_header(Kind.ACK, ack)
@@ -168,6 +206,21 @@ class SyncService:
                     if not ack.ok or i == len(frames) - 1:
                         return ack
                 raise wire.WireError("a request needs at least one frame")
+            finally:
+                writer.close()
+
+        return await asyncio.wait_for(go(), timeout)
+
+    async def send_all(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
+        """Sends every frame of one message to `peer` at once and returns its single ACK (an echo: the
+        receiver reads them all, each capped, before it answers)."""
+
+        async def go() -> Ack:
+            reader, writer = await self.open(peer, frames, timeout)
+            try:
+                _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+                self.bytes_received += len(body) + 5
+                return wire.parse(Ack, body)
             finally:
                 writer.close()
 

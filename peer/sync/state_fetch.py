@@ -15,6 +15,17 @@ whole (`confirmed`), so one donor's bad piece spoils only that attempt. If the s
 fails or is not confirmed, the state is taken from one donor after another, each state confirmed by
 the others: that path finds an honest donor whatever the others do, striping only makes the common
 case fast.
+
+Who confirms is decided by standing (`peer.sync.standing`), never by a number of keys: confirmers
+are the admitted holders among the donors (all of them only where none is admitted), never the
+donor that sent the whole state itself; a state counts as confirmed when at least one of them says
+"this was my state" and more say so than say "mine differs" — "unknown" is not a yes and a tie is
+not a yes. Only where the state's sender is the sole voice with standing (the module's only admitted
+holder, or a keeper when no holder is left) is it loaded unconfirmed: nobody could confirm it, and a
+module whose only voice lies is lost to the run whatever the joiner does. The rounds the pieces must
+share are fixed by the first piece from a donor with standing, so a stranger racing ahead with
+made-up rounds cannot set them. `fetch_module_state` is the one entry point of joiners, repairs,
+keepers and `run reroute`.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from peer.config import SyncConfig
 from peer.sync.service import SyncService
 from peer.sync.state_transfer import (
     CONFIRM_ATTEMPTS,
@@ -79,8 +91,10 @@ async def fetch_striped(
     service: SyncService, module: str, numels: list[int], donors: list[str], timeout: float
 ) -> tuple[list[str], list[int], np.ndarray] | None:
     """A state assembled from pieces served by `donors` in parallel, all of the same fragment rounds
-    (those of the first piece to arrive); None if some piece could not be had. Not yet confirmed."""
+    (those of the first piece to arrive from a donor with standing); None if some piece could not be
+    had. Not yet confirmed."""
     total = sum(numels)
+    setters = set(service.inbox.standing.trusted(donors))  # donors whose first piece fixes the rounds
     todo = pieces(total, len(donors))
     out = np.empty(total, dtype=np.float32)
     target: list[int] | None = None
@@ -102,6 +116,10 @@ async def fetch_striped(
                 todo.append((start, stop))
                 logger.info(f"{module}: {donor} stopped serving pieces: {type(e).__name__}: {e}")
                 return
+            if target is None and donor not in setters:  # a stranger's rounds are not the target
+                todo.append((start, stop))
+                await asyncio.sleep(0.05)
+                continue
             if target is None:
                 target = rounds
             elif rounds != target:  # asked before the target was known, and at another state
@@ -125,10 +143,15 @@ async def fetch_confirmed(
     donors: list[str],
     timeout: float,
     confirm_timeout: float,
+    holders: list[str] | None = None,
 ) -> Fetched | None:
-    """A module's state that the holders confirm: pieced from all donors at once when there are
-    several, else (or if that fails) from one donor after another, each state confirmed by the
-    others. A single donor with nobody else to ask gives an unconfirmed state (`confirmed` False)."""
+    """A module's state that the holders with standing confirm: pieced from all donors at once when
+    there are several, else (or if that fails) from one donor after another, each state confirmed by
+    the others (or by `holders`, when the holders who may confirm are more than the donors). A sole
+    voice with standing gives an unconfirmed state (`confirmed` False)."""
+    standing = service.inbox.standing
+    trusted = standing.trusted(sorted(set(donors) | set(holders or [])))
+    donors = sorted(donors, key=lambda d: d not in trusted)  # donors with standing first, in order
     attempts = ([donors[:MAX_STRIPED_DONORS]] if len(donors) > 1 else []) + [[d] for d in donors]
     for group in attempts:
         got = await fetch_striped(service, module, numels, group, timeout)
@@ -137,14 +160,28 @@ async def fetch_confirmed(
             continue
         contributors, rounds, numbers = got
         tensors = split_state(numbers, numels)
-        # a pieced state is confirmed by all donors (each sent only part of it); one donor's by the others
-        confirmers = donors if len(group) > 1 else [d for d in donors if d != group[0]]
+        # a state one donor sent whole is never confirmed by that donor; pieces of several donors are
+        # confirmed by each (each holds the whole state it sent parts of)
+        sole = contributors[0] if len(contributors) == 1 else None
+        confirmers = [c for c in trusted if c != sole]
         if not confirmers:
-            return Fetched(contributors, rounds, tensors, False)
+            if sole in trusted:  # the only voice with standing: nobody could confirm it
+                return Fetched(contributors, rounds, tensors, False)
+            continue
         if await confirmed(service, module, rounds, digests_of(tensors), confirmers, confirm_timeout):
             return Fetched(contributors, rounds, tensors, True)
         logger.warning(
-            f"{module}: no other holder confirms the state {', '.join(contributors)} sent; refused"
+            f"{module}: no holder with standing confirms the state {', '.join(contributors)} sent; refused"
         )
         service.refused["unconfirmed"] += 1
     return None
+
+
+def fetch_module_state(
+    service: SyncService, module: str, numels: list[int], donors: list[str], sync: SyncConfig
+) -> Fetched | None:
+    """`fetch_confirmed` from a thread other than the service's loop, within its time budget: the one
+    way joiners, repairs, keepers and `run reroute` take a module's state from its holders."""
+    timeout, confirm = sync.averaging_timeout_seconds, sync.report_timeout_seconds
+    coro = fetch_confirmed(service, module, numels, donors, timeout, confirm)
+    return service.call(coro, fetch_budget_seconds(numels, len(donors), timeout, confirm))

@@ -131,6 +131,8 @@ def install_state_handlers(
         request = wire.parse(wire.StateRequest, body)
         if request.run != service.run:
             got: Snapshot | str = "other run"
+        elif not service.inbox.standing.takes_part(sender):
+            got = "not admitted to this invite-only run"
         else:
             got = state_for(request)
         if isinstance(got, str):
@@ -157,7 +159,8 @@ def install_state_handlers(
 
     async def on_confirm(sender: str, body: bytes, reader, writer) -> None:
         query = wire.parse(wire.Confirm, body)
-        known = history.lookup(query.module, query.fragment_rounds) if query.run == service.run else None
+        allowed = query.run == service.run and service.inbox.standing.takes_part(sender)
+        known = history.lookup(query.module, query.fragment_rounds) if allowed else None
         if known is None:
             ack = Ack(ok=False, reason="unknown")
         else:
@@ -260,14 +263,15 @@ async def confirmed(
     confirmers: list[str],
     timeout: float,
 ) -> bool:
-    """True once more confirmers say "this was my state" than "my state at those rounds differs";
-    holders a little behind are asked again a few times."""
+    """True once at least one confirmer says "this was my state" and more say so than say "my state
+    at those rounds differs" ("unknown" counts neither way; a tie is not a yes); holders a little
+    behind are asked again a few times."""
     for attempt in range(CONFIRM_ATTEMPTS):
         answers = await asyncio.gather(
             *(confirm_state(service, c, module, rounds, digests, timeout) for c in confirmers)
         )
         yes, no = answers.count(True), answers.count(False)
-        if yes > no:
+        if yes >= 1 and yes > no:
             return True
         if no > yes:
             return False

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-PROTOCOL = "pathswarm_sync_v1"
+from dht.schema import MAX_ADMISSION_TOKEN_CHARS
+
+PROTOCOL = "pathswarm_sync_v2"  # v2: signed, relayed reports; admissions in headers
 MAX_HEADER_BYTES = 64 * 1024
 #: numbers per PAYLOAD frame of a state download (4 MiB): what a receiver holds unread at most
 STATE_CHUNK_NUMBERS = 1 << 20
@@ -40,6 +42,11 @@ class Kind(enum.IntEnum):
     ACK = 7
     KEEP = 8  # Keep: "take my state of this module now" (a last holder leaving); answered with an ACK
     COPY_REQUEST = 9  # CopyRequest; answered with an ACK, then (if ok) θ̄ and momentum as two PAYLOADs
+    ECHO = 10  # Echo, then its `count` REPORT frames (the signed reports the sender holds); an ACK
+    PART_REQUEST = 11  # PartRequest; answered with an ACK, then (if ok) the DELTA header and its PAYLOAD
+    ADMIT = 12  # AdmitRequest to a run's authority; answered with an ACK, then (if ok) an ADMITTED frame
+    ADMITTED = 13  # Admitted: the token
+    STANDING = 14  # StandingQuery; answered with an ACK whose reason is the count, as decimal digits
 
 
 class WireError(ValueError):
@@ -92,15 +99,63 @@ class DeltaHeader(Header):
     codec: str = Field(max_length=16)
     numel: int = Field(ge=0, lt=2**34)
     payload_bytes: int = Field(ge=0, lt=2**36)
+    #: the sender's admission to the run ("" on probation): every member sees the same standing
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
 
 class Report(Header):
-    """What one member received for a round (sender -> sha256 of its payload, itself included) and
-    the digest of its own copy of the fragment before the round."""
+    """What one member received for a round (sender -> digest of its weight, standing and payload,
+    itself included) and the digest of its own copy of the fragment before the round, signed by the
+    reporter's key so that others can relay it (`peer.sync.reports`)."""
 
     key: RoundKey
     received: dict[str, str] = Field(max_length=256)
     state_digest: str = Field(max_length=64)
+    reporter: str = Field("", max_length=128)
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
+    #: the reporter's RSA public key (OpenSSH form; its hash is the reporter's peer id) and signature
+    public_key: str = Field("", max_length=1024)
+    signature: str = Field("", max_length=1024)
+
+
+class Echo(Header):
+    """Announces the signed reports of a round that follow, relayed so that every member decides on
+    the same reports and a member that told members different things is caught."""
+
+    key: RoundKey
+    count: int = Field(ge=0, le=256)
+
+
+class PartRequest(Header):
+    """Asks a member for the outer gradient `sender` sent it for a round, the one with `digest`: a
+    member that missed a part the group agreed on takes it from one that has it."""
+
+    key: RoundKey
+    sender: str = Field(max_length=128)
+    digest: str = Field(min_length=64, max_length=64)
+
+
+class AdmitRequest(Header):
+    """Asks the run's authority to admit the requesting key: with an invite code, or after probation
+    (with the proof of work the run asks for, if any)."""
+
+    invite: str = Field("", max_length=128)
+    nonce: int = Field(0, ge=0, lt=2**63)
+
+
+class Admitted(BaseModel):
+    """The authority's answer: the signed admission token."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    token: str = Field(max_length=MAX_ADMISSION_TOKEN_CHARS)
+
+
+class StandingQuery(Header):
+    """Asks a holder of `module` in how many of its rounds `peer`'s outer gradient was averaged."""
+
+    module: str = Field(max_length=16)
+    peer: str = Field(max_length=128)
 
 
 class StateRequest(Header):

@@ -1,0 +1,117 @@
+"""Signed reports of a round, relayed between its members, and what they agree on.
+
+A member's report says which outer gradient it received from each sender (a digest of weight,
+standing and payload) and the digest of its own copy before the round. Reports are signed with the
+reporter's key, so any member can relay another's report and nobody can forge one. After the report
+phase every member sends every other the reports it holds (`Kind.ECHO`); then every member decides
+on the union: a member that sent different reports to different members is caught by whoever holds
+two of them, with the evidence to show (`RoundReports.equivocators`), and its report and its part
+are left out by all.
+
+`agreed_senders` is the round's rule: a sender's part counts when a strict majority of the voters
+(the reporters with standing, `Standing.voters`) list the same digest for it — never because one
+report omits it, and never because of reports of keys without standing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import msgpack
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from dht.identity import peer_id_of_owner
+from peer.sync.wire import Report
+
+
+def _body(report: Report) -> bytes:
+    """What a report's signature covers: every field but the signature, in a canonical encoding."""
+    return _canonical(report.model_dump(mode="json", exclude={"signature"}))
+
+
+def _canonical(value) -> bytes:
+    # msgpack of dicts with sorted keys: the same bytes for the same report on every peer
+    def sort(v):
+        if isinstance(v, dict):
+            return {k: sort(v[k]) for k in sorted(v)}
+        if isinstance(v, list):
+            return [sort(x) for x in v]
+        return v
+
+    return msgpack.packb(sort(value), use_bin_type=True)
+
+
+def sign_report(report: Report, key: RSAPrivateKey, peer_id: str) -> Report:
+    """`report` as `peer_id` (the owner of `key`) signs it."""
+    public_key = key.get_public_key().to_bytes().decode()
+    unsigned = report.model_copy(update={"reporter": peer_id, "public_key": public_key})
+    return unsigned.model_copy(update={"signature": key.sign(_body(unsigned)).decode()})
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_of(public_key: str) -> tuple[str | None, RSAPublicKey | None]:
+    try:
+        return peer_id_of_owner(public_key.encode()), RSAPublicKey.from_bytes(public_key.encode())
+    except Exception:  # not an RSA key in OpenSSH form
+        return None, None
+
+
+def verify_report(report: Report) -> bool:
+    """True if `report` is signed by the key whose peer id is its `reporter`."""
+    owner, public = _key_of(report.public_key)
+    if owner is None or owner != report.reporter:
+        return False
+    try:
+        return public.verify(_body(report), report.signature.encode())
+    except Exception:
+        return False
+
+
+class RoundReports:
+    """The verified reports of one round by reporter, and the reporters caught equivocating."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, Report] = {}
+        #: reporter -> two different reports it signed for this round (the evidence)
+        self.equivocators: dict[str, tuple[Report, Report]] = {}
+
+    def add(self, report: Report) -> bool:
+        """Takes in a verified report; False if it is not signed by its reporter (then it is ignored)."""
+        if not verify_report(report):
+            return False
+        known = self.reports.get(report.reporter)
+        if known is None:
+            self.reports[report.reporter] = report
+        elif _body(known) != _body(report) and report.reporter not in self.equivocators:
+            self.equivocators[report.reporter] = (known, report)
+        return True
+
+    def honest(self) -> dict[str, Report]:
+        """The reports of reporters not caught equivocating."""
+        return {r: rep for r, rep in self.reports.items() if r not in self.equivocators}
+
+
+def agreed_senders(reports: dict[str, Report], voters: list[str], excluded: set[str]) -> dict[str, str]:
+    """sender -> the digest a strict majority of `voters` reported receiving from it (senders in
+    `excluded` never count)."""
+    counts: dict[str, Counter] = {}
+    for voter in voters:
+        for sender, digest in reports[voter].received.items():
+            counts.setdefault(sender, Counter())[digest] += 1
+    agreed = {}
+    for sender, digests in counts.items():
+        if sender in excluded:
+            continue
+        digest, count = max(digests.items(), key=lambda kv: (kv[1], kv[0]))
+        if 2 * count > len(voters):
+            agreed[sender] = digest
+    return agreed
+
+
+def majority_state(reports: dict[str, Report], voters: list[str]) -> str | None:
+    """The copy digest a strict majority of `voters` held before the round, if any."""
+    if not voters:
+        return None
+    digest, count = Counter(reports[v].state_digest for v in voters).most_common(1)[0]
+    return digest if 2 * count > len(voters) else None
