@@ -11,6 +11,7 @@ import torch
 
 from peer.codecs.formats import make_codec
 from peer.sync import wire
+from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
 from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
@@ -24,18 +25,23 @@ def deltas_for(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("codec", ["fp32", "fp16", "nf4"])
-def test_members_end_a_round_with_the_same_bits_equal_to_the_weighted_mean(dht_factory, codec):
-    deltas, weights = deltas_for(3), [1.0, 2.0, 3.0]
+def test_members_end_a_round_with_the_same_bits_the_projects_aggregator_gives(dht_factory, codec):
+    deltas, weights = deltas_for(4), [1.0, 2.0, 3.0, 30.0]  # the last weight is over the cap
     c = make_codec(codec)
     decoded = [c.decode(c.encode(d), NUMEL) for d in deltas]
-    expected = sum(w * d.double() for w, d in zip(weights, decoded, strict=True)) / sum(weights)
-    with sync_group(dht_factory, 3, NUMEL, codec=codec) as members:
+    with sync_group(dht_factory, 4, NUMEL, codec=codec, aggregator="centered_clip") as members:
+        parts = [
+            Contribution(m.peer_id, x.numpy(), w) for m, x, w in zip(members, decoded, weights, strict=True)
+        ]
+        expected = torch.from_numpy(aggregate(parts, AggregatorConfig(method="centered_clip")))
         results = run_round(members, deltas, weights)
-    assert [r.outcome for r in results] == ["averaged"] * 3, [r.detail for r in results]
-    assert all(r.group_size == 3 and not r.dropped for r in results)
-    # not "close": the same bits on every member, so their global copies never walk apart
-    assert all(torch.equal(r.delta, results[0].delta) for r in results)
-    assert float((results[0].delta.double() - expected).abs().max()) < 1e-7
+    assert [r.outcome for r in results] == ["averaged"] * 4, [r.detail for r in results]
+    assert all(r.group_size == 4 and not r.dropped for r in results)
+    # not "close": the same bits on every member, so their global copies never walk apart, and the
+    # bits of the run's robust aggregator over the decoded parts (not some other average)
+    assert all(torch.equal(r.delta, expected) for r in results)
+    plain = sum(w * d.double() for w, d in zip(weights, decoded, strict=True)) / sum(weights)
+    assert float((expected.double() - plain).abs().max()) > 1e-4  # the cap did bite
     assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results)
 
 

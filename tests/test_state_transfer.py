@@ -13,29 +13,31 @@ import pytest
 import torch
 
 from peer.codecs.formats import make_codec
+from peer.run.admission import AdmissionCheck, sign_admission
 from peer.sync import state_fetch, wire
 from peer.sync.inbox import Inbox
 from peer.sync.service import SyncService
+from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_confirmed
-from peer.sync.state_transfer import StateHistory, digests_of, install_state_handlers
+from peer.sync.state_transfer import StateHistory, confirmed, digests_of, install_state_handlers
 from peer.sync.wire import Kind
-from tests.sync_members import MODULE, RUN_ID
+from tests.sync_members import CREATOR, MODULE, RUN_ID
 
 NUMELS = [1000, 1000]  # one fragment: θ̄, then its momentum
 ROUNDS = [7]
 
 
-def _service(dht_factory) -> SyncService:
-    dht, _ = dht_factory()
-    inbox = Inbox({MODULE: [NUMELS[0]]}, make_codec("fp32"), lambda peer, module: True, 8, 0.0)
-    return SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30)
+def _service(dht_factory, standing: Standing | None = None) -> SyncService:
+    dht, key = dht_factory()
+    inbox = Inbox({MODULE: [NUMELS[0]]}, make_codec("fp32"), lambda peer, module: True, 8, 0.0, standing)
+    return SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30, key=key)
 
 
-def _holder(dht_factory, tensors: list[torch.Tensor]) -> SyncService:
+def _holder(dht_factory, tensors: list[torch.Tensor], rounds: list[int] = ROUNDS) -> SyncService:
     service = _service(dht_factory)
     history = StateHistory()
-    history.record(MODULE, ROUNDS, digests_of(tensors))
-    install_state_handlers(service, lambda module: (ROUNDS, tensors) if module == MODULE else None, history)
+    history.record(MODULE, rounds, digests_of(tensors))
+    install_state_handlers(service, lambda module: (rounds, tensors) if module == MODULE else None, history)
     return service
 
 
@@ -168,3 +170,67 @@ def test_pieces_stay_of_one_state_while_the_donors_copies_move_on(dht_factory, s
     # both donors kept serving the state they started with: the pieces add up to it, from both
     assert got is not None and got.rounds == ROUNDS and len(got.donors) == 2
     assert all(torch.equal(a, b) for a, b in zip(got.tensors, before, strict=True))
+
+
+def _states(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    honest = [torch.randn(n, generator=gen) for n in NUMELS]
+    return honest, [t + 1.0 for t in honest]
+
+
+@pytest.mark.timeout(90)
+def test_no_yes_on_a_tie_or_on_unknowns_and_a_sole_sender_never_confirms_itself(dht_factory):
+    honest, other = _states(3)
+    services = []
+    try:
+        yes, no, unknown = _holder(dht_factory, honest), _holder(dht_factory, other), _service(dht_factory)
+        joiner = _service(dht_factory)
+        services = [yes, no, unknown, joiner]
+        digests = digests_of(honest)
+
+        def ask(confirmers: list[SyncService]) -> bool:
+            ids = [c.peer_id for c in confirmers]
+            return joiner.submit(confirmed(joiner, MODULE, ROUNDS, digests, ids, 2.0)).result(timeout=60)
+
+        assert ask([yes])
+        assert not ask([yes, no])  # a tie is not a yes
+        assert not ask([unknown])  # "unknown" is not a yes
+        # one donor, one other holder that never had that state: refused, not loaded on the donor's word
+        fetched = joiner.submit(
+            fetch_confirmed(joiner, MODULE, NUMELS, [yes.peer_id], 3.0, 1.0, holders=[unknown.peer_id])
+        ).result(timeout=60)
+        assert fetched is None
+        # the donor alone, nobody else to ask: the only voice there is, loaded and said to be unconfirmed
+        alone = joiner.submit(fetch_confirmed(joiner, MODULE, NUMELS, [yes.peer_id], 3.0, 1.0)).result(
+            timeout=60
+        )
+        assert alone is not None and not alone.confirmed
+    finally:
+        for s in services:
+            s.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_strangers_ahead_of_admitted_holders_neither_set_nor_confirm_a_joiners_state(
+    dht_factory, small_pieces
+):
+    honest, poisoned = _states(4)
+    tokens: dict[str, str] = {}
+    check = AdmissionCheck(RUN_ID, CREATOR.get_public_key().to_bytes())
+    services = []
+    try:
+        admitted = [_holder(dht_factory, honest) for _ in range(2)]
+        # two fresh keys serve and vouch for the same made-up state, a million rounds ahead
+        sybils = [_holder(dht_factory, poisoned, rounds=[10**6]) for _ in range(2)]
+        for s in admitted:
+            tokens[s.peer_id] = sign_admission(CREATOR, RUN_ID, s.peer_id, "invite")
+        joiner = _service(dht_factory, Standing(check, "open", lambda peer: tokens.get(peer, "")))
+        services = [*admitted, *sybils, joiner]
+        donors = [s.peer_id for s in (*sybils, *admitted)]  # the sybils first, as their claims are ahead
+        got = joiner.submit(fetch_confirmed(joiner, MODULE, NUMELS, donors, 3.0, 2.0)).result(timeout=90)
+    finally:
+        for s in services:
+            s.shutdown()
+    assert got is not None and got.confirmed and got.rounds == ROUNDS
+    assert set(got.donors) <= {s.peer_id for s in admitted}
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, honest, strict=True))

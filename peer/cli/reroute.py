@@ -41,6 +41,7 @@ from peer.model.router import Router, discriminative_relabel, share_ratio
 from peer.model.transformer import GridModel
 from peer.offline.evaluation import score_documents
 from peer.offline.grid_checkpoints import assemble_grid, read_checkpoints
+from peer.run.admission import AdmissionCheck
 from peer.run.create import router_artifact
 from peer.run.rebuild import check_tokenizer, router_of
 from peer.run.record import load_verified_manifest
@@ -58,7 +59,8 @@ from peer.swarm.claims import live_claims
 from peer.sync.inbox import Inbox
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.service import SyncService
-from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
+from peer.sync.standing import Standing
+from peer.sync.state_fetch import fetch_module_state
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +110,14 @@ class RerouteResult:
     module_rounds: dict[str, list[int]]
 
 
-def _donors(manifest: RunManifest, dht, run_id: str, wait_seconds: float) -> dict[str, list[str]]:
-    """Every module's holders, the most advanced first; waits until each module has one."""
+def _donors(manifest: RunManifest, dht, run_id: str, wait_seconds: float, seen: dict) -> dict[str, list[str]]:
+    """Every module's holders, the most advanced first; waits until each module has one. The claims
+    read go into `seen` (their admission tokens give the holders' standing)."""
     deadline = time.monotonic() + wait_seconds
     while True:
         claims = live_claims(dht, manifest.name, run_id)
+        seen.clear()
+        seen.update(claims)
         ranked: dict[str, list[tuple[int, str]]] = {}
         for pid, claim in claims.items():
             if claim.ready:
@@ -129,21 +134,24 @@ def _donors(manifest: RunManifest, dht, run_id: str, wait_seconds: float) -> dic
         time.sleep(2.0)
 
 
-def fetch_grid(manifest: RunManifest, dht, run_id: str, wait_seconds: float) -> tuple[GridModel, dict]:
-    """The grid as its holders have it now: every module's state, confirmed by its holders."""
-    donors = _donors(manifest, dht, run_id, wait_seconds)
+def fetch_grid(manifest: RunManifest, record, dht, key, wait_seconds: float) -> tuple[GridModel, dict]:
+    """The grid as its holders have it now: every module's state, confirmed by holders with standing."""
+    run_id = record.run_id
+    claims: dict = {}
+    donors = _donors(manifest, dht, run_id, wait_seconds, claims)
     sync = manifest.sync
-    inbox = Inbox({}, make_codec(sync.codec), lambda p, m: False, 1, 0.0)  # takes part in no round
-    service = SyncService(dht, run_id, inbox, sync.averaging_timeout_seconds + 30)
+    standing = Standing(
+        AdmissionCheck.of(record), manifest.admission.mode, lambda p: getattr(claims.get(p), "admission", "")
+    )
+    inbox = Inbox({}, make_codec(sync.codec), lambda p, m: False, 1, 0.0, standing)  # takes part in no round
+    service = SyncService(dht, run_id, inbox, sync.averaging_timeout_seconds + 30, key=key)
     grid = GridModel(manifest.model, seed=manifest.seed)
     rounds: dict[str, list[int]] = {}
     try:
         for mid in tqdm(all_module_ids(manifest.model), desc="module states", unit="module"):
             ms = ModuleSync(manifest.model, mid, grid.grid[mid], manifest.outer, sync.fragments)
             numels = [t.numel() for t in ms.state_tensors()]
-            timeout, confirm = sync.averaging_timeout_seconds, sync.report_timeout_seconds
-            budget = fetch_budget_seconds(numels, len(donors[mid]), timeout, confirm)
-            got = service.call(fetch_confirmed(service, mid, numels, donors[mid], timeout, confirm), budget)
+            got = fetch_module_state(service, mid, numels, donors[mid], sync)
             if got is None:
                 raise SwarmError(
                     f"{mid}: none of its {len(donors[mid])} holder(s) sent a state another confirms"
@@ -294,7 +302,7 @@ def reroute(o: RerouteOptions) -> RerouteResult:
         else:
             if o.at_round:
                 _wait_for_round(dht, manifest, record.run_id, o.at_round)
-            grid, rounds = fetch_grid(manifest, dht, record.run_id, o.wait_seconds)
+            grid, rounds = fetch_grid(manifest, record, dht, key, o.wait_seconds)
             paused_round = 0
         logger.info(f"scoring documents with the {manifest.model.n_paths} paths as of module rounds {rounds}")
         new, changed, balance, held_out, scored = _fit(o, manifest, folders, grid, current)

@@ -132,4 +132,3 @@ def solve_pow(run_id: str, peer_id: str, bits: int) -> int:
     while not pow_ok(run_id, peer_id, nonce, bits):
         nonce += 1
     return nonce
-

@@ -1,0 +1,87 @@
+"""The robust aggregators on their own: what each does with a hostile input, that CenteredClip really
+iterates, that a pair's caps are the receiver's, and how a part on probation is weighed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate, exact_norm
+
+
+def _parts(n: int, seed: int = 0, scale: float = 1.0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=512).astype(np.float32)
+    return [(base + 0.3 * rng.normal(size=512)).astype(np.float32) * scale for _ in range(n)]
+
+
+def _contributions(parts, weights=None, admitted=None) -> list[Contribution]:
+    weights = weights or [1.0] * len(parts)
+    admitted = admitted or [True] * len(parts)
+    return [
+        Contribution(f"p{i}", x, w, a)
+        for i, (x, w, a) in enumerate(zip(parts, weights, admitted, strict=True))
+    ]
+
+
+def test_centered_clip_iterates_from_the_coordinate_median_towards_the_honest_mean():
+    parts = _parts(5, seed=1)
+    parts[4] = parts[4] * 30  # one far member
+    honest_mean = np.mean(parts[:4], axis=0)
+    median = np.median(np.stack(parts), axis=0)
+    result = aggregate(_contributions(parts), AggregatorConfig(method="centered_clip", norm_cap=100.0))
+    none = aggregate(
+        _contributions(parts), AggregatorConfig(method="centered_clip", norm_cap=100.0, iterations=0)
+    )
+    # with no iteration it would stay at the median; the iterations move it to the honest members' mean
+    assert np.allclose(none, median, atol=1e-6)
+    assert np.linalg.norm(result - honest_mean) < 0.75 * np.linalg.norm(median - honest_mean)
+
+
+@pytest.mark.parametrize("method", ["median", "trimmed_mean", "centered_clip"])
+def test_robust_methods_stay_near_the_honest_mean_with_one_member_at_1000_times(method):
+    parts = _parts(5, seed=2)
+    parts[4] = parts[4] * 1000
+    honest_mean = np.mean(parts[:4], axis=0)
+    plain = aggregate(_contributions(parts), AggregatorConfig(method="mean"))
+    robust = aggregate(_contributions(parts), AggregatorConfig(method=method))
+    assert np.linalg.norm(plain - honest_mean) > 100 * np.linalg.norm(honest_mean)
+    assert np.linalg.norm(robust - honest_mean) < 0.5 * np.linalg.norm(honest_mean)
+
+
+def test_the_median_aggregator_is_the_coordinate_median():
+    parts = _parts(5, seed=3)
+    result = aggregate(_contributions(parts), AggregatorConfig(method="median", norm_cap=100.0))
+    assert np.allclose(result, np.median(np.stack(parts), axis=0), atol=1e-6)
+
+
+def test_a_pairs_caps_are_the_receivers_own_so_the_other_cannot_set_them():
+    mine, theirs = _parts(2, seed=4)
+    theirs = theirs * 100
+    config = AggregatorConfig(method="centered_clip")  # two members: clipped_mean
+    contributions = _contributions([mine, theirs], weights=[1.0, 1e6])
+    result = aggregate(contributions, config, own=contributions[0])
+    # weight at most 2x ours, norm at most 2x ours: the result is at most 5/3 of our own norm
+    assert exact_norm(result) <= 5 / 3 * exact_norm(mine) * 1.0001
+    # the pair's median would have let the other member set both caps
+    assert exact_norm(aggregate(contributions, config)) > 30 * exact_norm(mine)
+
+
+def test_parts_on_probation_are_weighed_against_the_admitted_aggregate():
+    parts = _parts(3, seed=5)
+    admitted_only = aggregate(_contributions(parts[:2]), AggregatorConfig())
+    flipped = -50 * parts[0]
+    # pointing away from the admitted result: nothing at all, whatever its claimed weight
+    result = aggregate(
+        _contributions([*parts[:2], flipped], [1, 1, 1e9], [True, True, False]), AggregatorConfig()
+    )
+    assert np.array_equal(result, admitted_only)
+    # the same direction, 50 times longer, a billion tokens: rescaled and weighed like the smallest admitted
+    along = 50 * admitted_only
+    result = aggregate(
+        _contributions([*parts[:2], along], [1, 1, 1e9], [True, True, False]), AggregatorConfig()
+    )
+    assert np.allclose(result, admitted_only, atol=1e-6)
+    # where no part is admitted, every part counts alike (an open run without an authority)
+    alike = aggregate(_contributions(parts, admitted=[False] * 3), AggregatorConfig(method="mean"))
+    assert np.allclose(alike, np.mean(parts, axis=0), atol=1e-6)
