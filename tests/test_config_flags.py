@@ -195,7 +195,8 @@ def test_a_format_5_manifest_is_refused_with_one_line(tmp_path):
 
 def test_the_top_level_help_names_every_subcommand():
     parser, _ = build_parser()
-    description = parser.format_help().split("positional arguments")[0]
+    usage, description = parser.format_help().split("positional arguments")[0].split("\n\n", 1)
+    assert usage.startswith("usage:")
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name in action.choices:
         assert re.search(rf"\b{name}\b", description), f"{name} is missing from: {description}"
