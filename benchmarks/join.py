@@ -91,9 +91,14 @@ def make_manifest(args: argparse.Namespace):
         DatasetSpec(kind="builtin", builtin_docs=400, seed=args.seed),
         seed=args.seed,
         seq_len=64,
-        inner_steps=args.inner_steps,
         inner=InnerOptimizerConfig(warmup_steps=2, total_steps=10_000),
-        sync=SyncConfig(codec="nf4", fragments=1, overlap_steps=0, averaging_timeout_seconds=120.0),
+        sync=SyncConfig(
+            inner_steps=args.inner_steps,
+            codec="nf4",
+            fragments=1,
+            overlap_steps=0,
+            averaging_timeout_seconds=120.0,
+        ),
         router_docs=100,
     )
     with torch.device("meta"):

@@ -42,9 +42,8 @@ def make_manifest(args: argparse.Namespace, name: str, **sync: object) -> RunMan
         ),  # fmt: skip
         DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs),
         seq_len=32,
-        inner_steps=args.inner_steps,
         inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=10, total_steps=steps),
-        sync=SyncConfig(**{"averaging_timeout_seconds": 20.0, **sync}),
+        sync=SyncConfig(**{"inner_steps": args.inner_steps, "averaging_timeout_seconds": 20.0, **sync}),
         router_docs=200,
     )
 

@@ -63,9 +63,8 @@ def make_run(args: argparse.Namespace, folder: Path) -> Path:
         ModelConfig(n_levels=levels, modules_per_level=k, max_seq_len=max(64, args.seq_len + 1)),
         DatasetSpec(kind="builtin", builtin_docs=3 * router_docs),
         seq_len=args.seq_len,
-        inner_steps=args.inner_steps,
         inner=InnerOptimizerConfig(total_steps=args.steps),
-        sync=SyncConfig(),
+        sync=SyncConfig(inner_steps=args.inner_steps),
         router_docs=router_docs,
     )
     path = folder / "manifest.json"

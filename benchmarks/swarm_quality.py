@@ -112,8 +112,9 @@ def create_run(args: argparse.Namespace, folder: Path):
     tok = ByteTokenizer()
     base, ref = make_base(options, model, dataset, tok, folder / "artifacts", inner)
     manifest = build_manifest(
-        RUN, model, dataset, seed=args.seed, seq_len=args.seq_len, inner_steps=args.inner_steps, inner=inner,
-        outer=OuterOptimizerConfig(lr=0.7, momentum=0.9), sync=SyncConfig(), base=base, base_ref=ref,
+        RUN, model, dataset, seed=args.seed, seq_len=args.seq_len, inner=inner,
+        outer=OuterOptimizerConfig(lr=0.7, momentum=0.9), sync=SyncConfig(inner_steps=args.inner_steps),
+        base=base, base_ref=ref,
     )  # fmt: skip
     key, _ = load_identity(folder / "creator.key")  # `run reroute` signs router versions with it
     record = sign_manifest(manifest, key)

@@ -9,7 +9,7 @@ circle):
    serves)
 2. `model/` — grid shape, transformer, tokenizer, router and routing
 3. `data/` — dataset sources, the built-in corpus, a path's batches
-4. `config` — the typed config tree (run manifest, peer settings)
+4. `config/` — the typed config tree (run manifest, peer settings), each setting declared once
 5. `run/` — creating a run, its signed manifest record, what a peer rebuilds from it
 6. `scheduler/` — placement and averaging groups from measurements (imports only leaves)
 7. `sync/` — fragments, per-module DiLoCo, robust aggregation, the sync protocol (no matchmaking),
@@ -20,7 +20,8 @@ circle):
     and, beside `peer`, `monitoring.swarm` — the maintainers' swarm monitor (imports dht,
     monitoring, config, model.grid and run only)
 11. `cli/` — the `pathswarm` command and its commands: the demo, the local swarm launcher, and
-    `reroute` (DiPaCo's re-routing of a live run by its creator, `pathswarm run reroute`)
+    `reroute` (DiPaCo's re-routing of a live run by its creator, `pathswarm run reroute`); `flags`
+    generates the `peer` and `run create` flags from the config tree
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ def write_manifest(
         ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=levels, modules_per_level=k),
         DatasetSpec(kind="builtin", builtin_docs=400),
         seq_len=32,
-        inner_steps=inner_steps,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=5, total_steps=400),
-        sync=SyncConfig(fragments=fragments, **{"averaging_timeout_seconds": 10.0, **sync}),
+        sync=SyncConfig(
+            inner_steps=inner_steps, fragments=fragments, **{"averaging_timeout_seconds": 10.0, **sync}
+        ),
         router_docs=200,
     )
     record = sign_manifest(manifest, RSAPrivateKey())

@@ -131,11 +131,11 @@ def test_a_manifest_with_overlap_not_below_h_over_p_is_refused():
 
     from peer.config import RunManifest, SyncConfig
 
-    RunManifest(name="r", inner_steps=12, sync=SyncConfig(fragments=4, overlap_steps=2))
+    RunManifest(name="r", sync=SyncConfig(inner_steps=12, fragments=4, overlap_steps=2))
     with pytest.raises(ValidationError, match="must be below H/P"):
-        RunManifest(name="r", inner_steps=12, sync=SyncConfig(fragments=4, overlap_steps=3))
+        RunManifest(name="r", sync=SyncConfig(inner_steps=12, fragments=4, overlap_steps=3))
     with pytest.raises(ValidationError, match="exceeds inner_steps"):
-        RunManifest(name="r", inner_steps=2, sync=SyncConfig(fragments=4))
+        RunManifest(name="r", sync={"inner_steps": 2, "fragments": 4})
 
 
 def test_a_runs_data_files_cannot_leave_data_root(tmp_path):

@@ -11,7 +11,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.checkpoint import save_checkpoint
 from peer.cli.model_commands import register
-from peer.config import InnerOptimizerConfig
+from peer.config import InnerOptimizerConfig, SyncConfig
 from peer.data.sources import DatasetSpec, load_documents, split_of
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
 from peer.model.tokenizer import ByteTokenizer
@@ -38,8 +38,8 @@ def build_trained_run(root):
         model,
         dataset,
         seq_len=32,
-        inner_steps=5,
         inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=2, total_steps=10),
+        sync=SyncConfig(inner_steps=5),
         router_docs=200,
     )
     record_file = root / "manifest.json"

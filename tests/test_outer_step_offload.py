@@ -78,8 +78,10 @@ def test_overlapped_rounds_outer_steps_run_off_the_training_thread(dht_factory):
     so every outer step of both holders is computed by the outer-step thread, and their copies
     stay the same bits."""
     h, rounds, tau = 8, 3, 2
-    sync = SyncConfig(fragments=2, overlap_steps=tau, mixing_alpha=0.5, codec="fp32", aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, inner_steps=h, sync=sync, outer=OUTER)
+    sync = SyncConfig(
+        inner_steps=h, fragments=2, overlap_steps=tau, mixing_alpha=0.5, codec="fp32", aggregator="mean"
+    )
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OUTER)
     syncs = _pair(fragments=2)
     models_params = [list(ms.local_params) for ms in syncs]
     threads_seen: list[str] = []

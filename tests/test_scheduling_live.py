@@ -29,9 +29,8 @@ def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
         ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=1, modules_per_level=2),
         DatasetSpec(kind="builtin", builtin_docs=300),
         seq_len=32,
-        inner_steps=8,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=100),
-        sync=SyncConfig(averaging_timeout_seconds=20.0, max_group_size=2),
+        sync=SyncConfig(inner_steps=8, averaging_timeout_seconds=20.0, max_group_size=2),
         router_docs=150,
     )
     record = sign_manifest(manifest, RSAPrivateKey())

@@ -67,7 +67,8 @@ def _train(model: PathModel, batches, after_step=None) -> None:
 
 
 def _streaming(model: PathModel, h: int, sync: SyncConfig, outer: OuterOptimizerConfig):
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, inner_steps=h, sync=sync, outer=outer)
+    sync = SyncConfig(**{**sync.model_dump(), "inner_steps": h})
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
     syncs = {mid: ModuleSync(CFG, mid, model.parts[mid], outer, sync.fragments) for mid in model.module_ids}
     metrics = PeerMetrics("t", "me", "0", "test")
     loop = StreamingOuter(syncs, manifest, "me", metrics, None)
@@ -255,8 +256,8 @@ def test_sparse_error_feedback_loses_nothing_and_keeps_copies_identical(dht_fact
     h, rounds = 4, 3
     base = PathModel(CFG, (0, 0), seed=6)
     outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
-    sync = SyncConfig(codec="sparse", error_feedback_decay=1.0, aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, inner_steps=h, sync=sync, outer=outer)
+    sync = SyncConfig(inner_steps=h, codec="sparse", error_feedback_decay=1.0, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
     models = [copy.deepcopy(base) for _ in range(2)]
     syncs = [ModuleSync(CFG, "l0m0", m.parts["l0m0"], outer, 1) for m in models]
     start = syncs[0].global_flats[0].clone()

@@ -145,14 +145,14 @@ def base_manifest(args: argparse.Namespace) -> RunManifest:
         DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs, seed=args.seed),
         seed=args.seed,
         seq_len=args.seq_len,
-        inner_steps=args.inner_steps,
         inner=InnerOptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps),
+        sync=SyncConfig(inner_steps=args.inner_steps),
         router_docs=200,  # one path: the router has nothing to decide
     )
 
 
 def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
-    common = dict(averaging_timeout_seconds=args.averaging_timeout)
+    common = dict(inner_steps=args.inner_steps, averaging_timeout_seconds=args.averaging_timeout)
     if name == "no_sync":
         return SyncConfig(codec="fp32", fragments=1, overlap_steps=1, mixing_alpha=1.0, **common)
     if name in STREAMING:

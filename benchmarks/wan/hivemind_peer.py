@@ -181,7 +181,7 @@ def make_optimizer(args: argparse.Namespace, m, run_id: str, dht, model: PathMod
     return hivemind.Optimizer(
         dht=dht,
         run_id=f"wan_{run_id[:12]}",
-        target_batch_size=args.peers * args.batch_size * m.inner_steps,
+        target_batch_size=args.peers * args.batch_size * m.sync.inner_steps,
         batch_size_per_step=args.batch_size,
         params=model.parameters(),
         optimizer=lambda params: torch.optim.AdamW(
@@ -216,7 +216,7 @@ def final_average(args: argparse.Namespace, m, run_id: str, dht, opt, stop) -> N
     opt.state_averager.step(wait_for_delayed_updates=True)  # the round in flight lands first
     key = f"{DONE_KEY}_{run_id[:12]}"
     epochs = barrier(dht, key, args.index, opt.local_epoch, args.peers, args.averaging_timeout, stop)
-    if stop.is_set() or max([opt.local_epoch, *epochs.values()]) >= args.max_steps // m.inner_steps:
+    if stop.is_set() or max([opt.local_epoch, *epochs.values()]) >= args.max_steps // m.sync.inner_steps:
         return
     logger.info(f"epoch {opt.local_epoch} after the last step: one more average")
     opt.state_averager.step(

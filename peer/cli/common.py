@@ -7,6 +7,9 @@ import logging
 import signal
 from collections.abc import Callable
 
+from peer.cli.flags import add_model_flags
+from peer.config import PeerConfig
+
 logger = logging.getLogger("pathswarm")
 
 Handler = Callable[[argparse.Namespace], int]
@@ -31,26 +34,19 @@ def install_sigterm(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+#: PeerConfig's fields that every process joining a swarm takes (hivemind/petals' flags)
+SWARM_FIELDS = (
+    "initial_peers",
+    "host_maddrs",
+    "announce_maddrs",
+    "identity_path",
+    "use_relay",
+    "use_auto_relay",
+)
+
+
 def add_swarm_flags(p: argparse.ArgumentParser) -> None:
-    """hivemind/petals' flags for joining a swarm; absent flags stay absent (config files fill them)."""
-    s = argparse.SUPPRESS
-    p.add_argument("--initial_peers", nargs="*", default=s, help="multiaddrs of peers already in the swarm")
-    p.add_argument("--host_maddrs", nargs="*", default=s, help="multiaddrs to listen on")
-    p.add_argument("--announce_maddrs", nargs="*", default=s, help="multiaddrs to advertise to other peers")
-    p.add_argument(
-        "--identity_path", default=s, help="file with this peer's private key (created if missing)"
-    )
-    p.add_argument("--use_relay", action="store_true", default=s, help="use libp2p circuit relays (default)")
-    p.add_argument(
-        "--no_relay",
-        dest="use_relay",
-        action="store_false",
-        default=s,
-        help="hivemind's use_relay=False (its p2pd still relays for others: measured)",
-    )
-    p.add_argument(
-        "--use_auto_relay",
-        action="store_true",
-        default=s,
-        help="behind NAT: reserve a slot on the initial peers (the relays) and be reached through them",
-    )
+    """hivemind/petals' flags for joining a swarm, from `PeerConfig`; absent flags stay absent (config
+    files and the environment fill them, else the model's defaults)."""
+    group = p.add_argument_group("joining the swarm")
+    add_model_flags(group, PeerConfig, SWARM_FIELDS)

@@ -60,9 +60,8 @@ def demo_manifest(rounds: int, inner_steps: int, seed: int = 0) -> RunManifest:
         DatasetSpec(kind="builtin", builtin_docs=2000, seed=seed),
         seed=seed,
         seq_len=64,
-        inner_steps=inner_steps,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=20, total_steps=rounds * inner_steps),
-        sync=SyncConfig(codec="fp32", averaging_timeout_seconds=45.0),
+        sync=SyncConfig(inner_steps=inner_steps, codec="fp32", averaging_timeout_seconds=45.0),
         router_docs=600,
     )
 

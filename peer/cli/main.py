@@ -1,5 +1,5 @@
-"""The `pathswarm` command line: peer, bootstrap, run create, demo, eval, generate, export, schedule,
-health, monitor.
+"""The `pathswarm` command line: peer, bootstrap, run create, run reroute, demo, eval, generate,
+export, schedule, health, monitor.
 
 Every subcommand is thin: parse, build, run, shut down in `finally`. A `PathswarmError` (a mistake the
 person running the command can fix) or an OS error is one line on stderr and exit status 2; anything
@@ -17,7 +17,8 @@ from peer.errors import PathswarmError
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
-    parser = argparse.ArgumentParser(prog="pathswarm", description=__doc__.splitlines()[0])
+    # the docstring's first paragraph, whole: it names every subcommand
+    parser = argparse.ArgumentParser(prog="pathswarm", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, Handler] = {}
     for module in (swarm_commands, run_commands, demo, model_commands, schedule, health, monitor_command):

@@ -1,8 +1,8 @@
 """`pathswarm run create`: fit a run's router, sign its manifest, write it and publish it;
 `pathswarm run reroute`: re-route a live run by its paths' losses (peer/run/reroute.py).
 
-`create`'s flags are the fields of `peer.run.create.RunOptions` (plus where to write and publish);
-the whole path from flags to manifest is `manifest_from_options`.
+`create`'s flags are the fields of `peer.run.options.RunOptions`, generated (peer/cli/flags.py), plus
+where to write and publish; the whole path from flags to manifest is `manifest_from_options`.
 """
 
 from __future__ import annotations
@@ -13,70 +13,29 @@ import time
 from pathlib import Path
 
 from peer.cli.common import Handler, add_swarm_flags, setup_logging
-from peer.codecs.specs import CODEC_NAMES
-from peer.model.grid import PRESETS
+from peer.cli.flags import add_model_flags, given
+from peer.run.options import MANIFEST_FLAGS, RunChoices, RunOptions
 
 logger = logging.getLogger(__name__)
 
 #: stores of the signed manifest tried before `run create` gives up (the DHT may still be warming up)
 PUBLISH_ATTEMPTS = 3
 
-#: flags of `run create` that are not choices about the run itself
-_OUTPUT_FLAGS = ("out", "no_publish", "initial_peers", "host_maddrs", "announce_maddrs", "identity_path")
-
 
 def register(subparsers) -> dict[str, Handler]:
-    p = subparsers.add_parser("run", help="create runs")
+    p = subparsers.add_parser("run", help="create runs, re-route them")
     rsub = p.add_subparsers(dest="run_command", required=True)
-    c = rsub.add_parser("create", help="fit the router, sign a run manifest, write and publish it")
+    c = rsub.add_parser(
+        "create",
+        help="fit the router, sign a run manifest, write and publish it",
+        description="Fit the router, sign a run manifest, write it and publish it.",
+    )
     add_swarm_flags(c)
-    c.add_argument("--name", required=True)
-    c.add_argument("--out", type=Path, required=True, help="where to write the signed manifest (JSON)")
-    c.add_argument("--preset", default="tiny", help=f"model size preset ({', '.join(PRESETS)})")
-    c.add_argument("--grid", default="2x2", help="LxK: levels x modules per level")
-    c.add_argument(
-        "--private_blocks", type=int, default=0, help="blocks per path kept private after the grid"
-    )
-    c.add_argument("--dataset", default="builtin", choices=["builtin", "text", "json", "parquet", "hub"])
-    c.add_argument("--data_files", nargs="*", default=[], help="local files or globs (text/json/parquet)")
-    c.add_argument("--dataset_name", default=None, help="hub dataset name (streamed), for --dataset hub")
-    c.add_argument("--text_field", default="text")
-    c.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json file")
-    c.add_argument("--seq_len", type=int, default=64)
-    c.add_argument("--inner_steps", type=int, default=50, help="H: inner steps per outer round")
-    c.add_argument("--codec", default="fp32", choices=CODEC_NAMES)
-    c.add_argument("--fragments", type=int, default=1, help="P: fragments per module (Streaming DiLoCo)")
-    c.add_argument("--overlap_steps", type=int, default=0, help="τ: inner steps a fragment sync may overlap")
-    c.add_argument(
-        "--mixing_alpha",
-        type=float,
-        default=None,
-        help="α: local weight when merging (default: 0.5 if τ > 0, else 0)",
-    )
-    c.add_argument("--outer_lr", type=float, default=0.7, help="outer SGD lr (DiLoCo's 0.7)")
-    c.add_argument("--outer_momentum", type=float, default=0.9, help="outer Nesterov momentum (0: plain SGD)")
-    c.add_argument("--blocks_per_module", type=int, default=None, help="override the preset blocks/module")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument(
-        "--warm_start_steps",
-        type=int,
-        default=0,
-        help="train a dense base model of one path's size this many steps on the run's data; every "
-        "module starts from it and the router uses its features (DiPaCo's warm start)",
-    )
-    c.add_argument("--warm_start_batch_size", type=int, default=16, help="batch size of the base's training")
-    c.add_argument(
-        "--base_checkpoint",
-        default=None,
-        help="start every module from this base model instead (a safetensors file a run create wrote)",
-    )
-    c.add_argument(
-        "--share_data",
-        action="store_true",
-        help="copy the --data_files beside the manifest, named by hash: nodes started with this "
-        "--manifest_path serve them and peers fetch them (no volunteer needs a copy or --data_root)",
-    )
-    c.add_argument("--no_publish", action="store_true", help="only write the file")
+    add_model_flags(c.add_argument_group("the run's manifest"), RunOptions, MANIFEST_FLAGS, required=True)
+    add_model_flags(c.add_argument_group("how the run is made"), RunOptions, RunChoices.model_fields)
+    out = c.add_argument_group("where it goes")
+    out.add_argument("--out", type=Path, required=True, help="where to write the signed manifest (JSON)")
+    out.add_argument("--no_publish", action="store_true", help="only write the file")
 
     r = rsub.add_parser(
         "reroute",
@@ -165,15 +124,14 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     from peer.config import InnerOptimizerConfig, one_line
     from peer.errors import ConfigError, SwarmError
     from peer.offline.warm_start import make_base
-    from peer.run.create import RunOptions, manifest_from_options
+    from peer.run.create import manifest_from_options
     from peer.run.record import save_record, sign_manifest
     from peer.swarm.base_model import run_folder_store
     from peer.swarm.manifest import fetch_manifest, publish_record
 
     setup_logging()
-    choices = {k: v for k, v in vars(args).items() if k not in ("command", "run_command", *_OUTPUT_FLAGS)}
     try:
-        options = RunOptions(**choices)
+        options = RunOptions(**given(args, RunOptions))
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
     # the base model, when there is one, goes beside the manifest: a node started with this

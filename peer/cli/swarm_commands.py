@@ -1,7 +1,8 @@
 """`pathswarm peer` and `pathswarm bootstrap`: the processes a swarm is made of.
 
 `register(subparsers)` adds both subcommands and returns their handlers. A peer's flags are the
-fields of `PeerConfig`; they can also come from `--config FILE` or `PATHSWARM_<FLAG>` variables.
+fields of `PeerConfig` (generated: peer/cli/flags.py); they can also come from `--config FILE` or
+`PATHSWARM_<FLAG>` variables. A bootstrap node shares the swarm's flags (`SWARM_FIELDS`).
 """
 
 from __future__ import annotations
@@ -10,67 +11,27 @@ import argparse
 import threading
 from pathlib import Path
 
-from peer.cli.common import Handler, add_swarm_flags, install_sigterm, logger, setup_logging
+from peer.cli.common import SWARM_FIELDS, Handler, add_swarm_flags, install_sigterm, logger, setup_logging
+from peer.cli.flags import add_model_flags, flag_or_default, given
+from peer.config import PeerConfig, load_peer_config
 from peer.errors import ConfigError
 
 
 def register(subparsers) -> dict[str, Handler]:
-    s = argparse.SUPPRESS
-    p = subparsers.add_parser("peer", help="join a run and train a path")
+    p = subparsers.add_parser(
+        "peer",
+        help="join a run and train a path",
+        description="Join a run and train a path.",
+        epilog="Every flag can also come from --config FILE (its keys are the flags' names) or from "
+        "a PATHSWARM_<FLAG> environment variable (PATHSWARM_BATCH_SIZE=16; lists space-separated or "
+        "JSON); a flag beats the environment, which beats the file.",
+    )
     add_swarm_flags(p)
     p.add_argument(
         "--config", type=Path, default=None, help="TOML or JSON file of settings (flags override it)"
     )
-    p.add_argument("--client_mode", action="store_true", default=s, help="do not accept incoming connections")
-    p.add_argument(
-        "--new_swarm", action="store_true", default=s, help="start a new swarm (no --initial_peers)"
-    )
-    p.add_argument("--run", default=s, help="run NAME or NAME@HASH")
-    p.add_argument("--manifest_path", default=s, help="signed manifest file to verify and publish")
-    p.add_argument(
-        "--creator", default=s, help="refuse a manifest not signed by this creator key (hex prefix)"
-    )
-    p.add_argument("--data_root", default=s, help="folder holding the run's local data files")
-    p.add_argument(
-        "--artifacts_dir",
-        default=s,
-        help="where the run's base model is kept and served from (default: CHECKPOINT_DIR/artifacts)",
-    )
-    p.add_argument("--path", default=s, help="claim this path: an index or one module index per level")
-    p.add_argument("--device", default=s, help="auto, cpu or cuda[:N]")
-    p.add_argument("--batch_size", type=int, default=s)
-    p.add_argument(
-        "--max_memory_bytes", type=int, default=s, help="memory the path may use (default: all that is free)"
-    )
-    p.add_argument("--inner_optimizer", choices=["adamw", "adamw8bit"], default=s)
-    p.add_argument("--metrics_port", type=int, default=s, help="serve Prometheus /metrics on this port")
-    p.add_argument("--metrics_host", default=s, help="address for /metrics (default 0.0.0.0)")
-    p.add_argument("--checkpoint_dir", default=s)
-    p.add_argument(
-        "--checkpoint_every_rounds", type=int, default=s, help="checkpoint every N outer rounds (default 1)"
-    )
-    p.add_argument("--keep_checkpoints", type=int, default=s, help="complete checkpoints kept (default 2)")
-    p.add_argument("--resume", action="store_true", default=s, help="continue from --checkpoint_dir")
-    p.add_argument(
-        "--max_rounds",
-        type=int,
-        default=s,
-        help="stop after this peer has done this many outer rounds of its own, counted across --resume "
-        "(a late joiner does them all; the swarm's round number, in the log's `round N`, may be higher)",
-    )
-    p.add_argument("--max_steps", type=int, default=s, help="stop after this many inner steps")
-    p.add_argument(
-        "--rotate_every_rounds",
-        type=int,
-        default=s,
-        help="with fewer peers than paths, every N outer rounds one peer moves to the least-trained "
-        "path nobody holds, so every path gets trained (default 4; 0: never; a --path peer stays)",
-    )
-    p.add_argument("--torch_threads", type=int, default=s)
-    p.add_argument("--heartbeat_seconds", type=float, default=s)
-    p.add_argument("--probe_file", default=s, help="JSON of injected probe values (tests, benchmarks)")
-    p.add_argument("--wait_for_peers", type=int, default=s, help="start training once N peers are ready")
-    p.add_argument("--log_level", default=s)
+    own = [name for name in PeerConfig.model_fields if name not in SWARM_FIELDS]
+    add_model_flags(p.add_argument_group("the peer"), PeerConfig, own)
 
     b = subparsers.add_parser("bootstrap", help="run a DHT-only node that other peers use to join")
     add_swarm_flags(b)
@@ -84,7 +45,10 @@ def register(subparsers) -> dict[str, Handler]:
         help="keep and serve the latest state of every module of the run here (needs --manifest_path)",
     )
     b.add_argument(
-        "--keep_every_seconds", type=float, default=30.0, help="how often kept states are refreshed"
+        "--keep_every_seconds",
+        type=float,
+        default=30.0,
+        help="how often kept states are refreshed (default: 30)",
     )
     b.add_argument(
         "--artifacts_dir",
@@ -95,12 +59,15 @@ def register(subparsers) -> dict[str, Handler]:
     return {"peer": cmd_peer, "bootstrap": cmd_bootstrap}
 
 
+def peer_config(args: argparse.Namespace) -> PeerConfig:
+    """The peer's settings: its flags over the environment over --config's file over the defaults."""
+    return load_peer_config(given(args, PeerConfig), args.config)
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
-    from peer.config import load_peer_config
     from peer.training.peer import Peer
 
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    config = load_peer_config(values, args.config)
+    config = peer_config(args)
     setup_logging(config.log_level)
     logger.info(f"config: {config.model_dump_json()}")
     peer = Peer(config)
@@ -126,21 +93,18 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     if args.keep_state is not None and manifest is None:
         raise ConfigError("--keep_state needs --manifest_path: the keeper must know the run")
 
+    swarm = {name: flag_or_default(args, PeerConfig, name) for name in SWARM_FIELDS}
+
     def start():
         return start_dht(
-            initial_peers=getattr(args, "initial_peers", []),
-            host_maddrs=getattr(args, "host_maddrs", ["/ip4/0.0.0.0/tcp/0"]),
-            announce_maddrs=getattr(args, "announce_maddrs", []),
-            identity_path=getattr(args, "identity_path", None),
-            use_relay=getattr(args, "use_relay", True),
-            use_auto_relay=getattr(args, "use_auto_relay", False),
+            **swarm,
             public=True,
             run_name=manifest.name if manifest is not None else None,
             run_id=record.run_id if record is not None else None,
         )
 
     # peers behind NAT relay through their initial peers, so a bootstrap node checks its relay first
-    relays = getattr(args, "use_relay", True) and not getattr(args, "use_auto_relay", False)
+    relays = swarm["use_relay"] and not swarm["use_auto_relay"]
     if relays:
         prefer_configured_relay()
     dht, key = start_relaying_dht(start) if relays else start()

@@ -29,14 +29,22 @@ class DatasetSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["builtin", "text", "json", "parquet", "hub"] = "builtin"
-    data_files: list[str] = []
+    kind: Literal["builtin", "text", "json", "parquet", "hub"] = Field(
+        "builtin",
+        description="where the documents come from: the built-in corpus, local files, or a hub dataset",
+        json_schema_extra={"flag": "dataset"},
+    )
+    data_files: list[str] = Field([], description="local files or globs (text/json/parquet)")
     #: the run's local files by content hash, in order: served over P2P like its base model, so a
     #: volunteer needs no copy of its own (`run create --share_data`); replaces data_files
     shards: list[ArtifactRef] = Field(default_factory=list, max_length=MAX_SHARDS)
-    name: str | None = None
+    name: str | None = Field(
+        None,
+        description="hub dataset name (streamed), for --dataset hub",
+        json_schema_extra={"flag": "dataset_name"},
+    )
     split: str = "train"
-    text_field: str = "text"
+    text_field: str = Field("text", description="the field of a json/parquet/hub record that holds the text")
     builtin_docs: int = Field(2000, ge=1)
     seed: int = 0
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)

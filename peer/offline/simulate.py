@@ -53,7 +53,7 @@ class SimConfig(BaseModel):
             seed=manifest.seed,
             seq_len=manifest.seq_len,
             batch_size=batch_size,
-            inner_steps=manifest.inner_steps,
+            inner_steps=manifest.sync.inner_steps,
             inner=manifest.inner,
             outer=manifest.outer,
         )

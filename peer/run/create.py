@@ -1,10 +1,11 @@
 """Creating a run: from the flags of `pathswarm run create` to a manifest with a fitted router.
 
 `RunOptions` holds what a researcher chooses (grid, preset, data, tokenizer, sync settings), each
-flag once; `manifest_from_options` turns them into the model shape, the dataset spec and the sync
-config, and `build_manifest` fits the router on the run's data and fills in the manifest. The
-router's features come from the run's initial path-0 model (`peer.model.route.feature_model`), so
-every peer can rebuild them from the manifest alone (`peer.run.rebuild`).
+declared once (peer/run/options.py); `manifest_from_options` turns them into the model shape, the
+dataset spec and the manifest's sections, and `build_manifest` fits the router on the run's data
+and fills in the manifest. The router's features come from the run's initial path-0 model
+(`peer.model.route.feature_model`), so every peer can rebuild them from the manifest alone
+(`peer.run.rebuild`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import time
 from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from peer.artifacts.ref import ArtifactRef
@@ -31,42 +33,13 @@ from peer.model.grid import ModelConfig, model_config_from_preset
 from peer.model.route import feature_model, prefix_features
 from peer.model.router import fit_router, rebalance, share_ratio
 from peer.model.tokenizer import Tokenizer, load_tokenizer
+from peer.run.options import RunOptions, manifest_settings
 
 logger = logging.getLogger(__name__)
 
 #: a router whose JSON is larger goes beside the manifest as an artifact (the manifest is a DHT
 #: record, capped at 48 KiB)
 INLINE_ROUTER_BYTES = 16 << 10
-
-
-class RunOptions(BaseModel):
-    """The choices behind a new run, named as `pathswarm run create`'s flags."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    preset: str = "tiny"
-    grid: str = Field("2x2", description="LxK: levels x modules per level")
-    private_blocks: int = Field(0, ge=0)
-    blocks_per_module: int | None = Field(None, ge=1)
-    dataset: str = "builtin"
-    data_files: list[str] = []
-    dataset_name: str | None = None
-    text_field: str = "text"
-    tokenizer: str = "bytes"
-    seq_len: int = Field(64, ge=8)
-    inner_steps: int = Field(50, ge=1)
-    codec: str = "fp32"
-    fragments: int = Field(1, ge=1)
-    overlap_steps: int = Field(0, ge=0)
-    mixing_alpha: float | None = Field(None, ge=0, le=1)
-    outer_lr: float = Field(0.7, gt=0)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    seed: int = 0
-    warm_start_steps: int = Field(0, ge=0)
-    warm_start_batch_size: int = Field(16, ge=1)
-    base_checkpoint: str | None = None
-    share_data: bool = False
 
 
 def parse_grid(text: str) -> tuple[int, int]:
@@ -117,13 +90,10 @@ def manifest_from_options(
             vocab_size=tok.vocab_size,
             **({"blocks_per_module": o.blocks_per_module} if o.blocks_per_module else {}),
         )
-        dataset = DatasetSpec(
-            kind=o.dataset, data_files=o.data_files, name=o.dataset_name, text_field=o.text_field, seed=o.seed
-        )
-        sync = SyncConfig(
-            codec=o.codec, fragments=o.fragments, overlap_steps=o.overlap_steps, mixing_alpha=o.mixing_alpha
-        )
-        outer = OuterOptimizerConfig(lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.outer_momentum > 0)
+        settings = manifest_settings(o)
+        dataset = DatasetSpec(**settings.pop("dataset"), seed=o.seed)
+        sync = SyncConfig(**settings.pop("sync"))
+        outer = OuterOptimizerConfig(**settings.pop("outer"), nesterov=o.outer_momentum > 0)
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
     if codec_spec(o.codec).error_feedback and (outer.momentum > 0 or sync.mixing_alpha > 0):
@@ -149,9 +119,11 @@ def manifest_from_options(
     tokenizer_ref = None
     if o.tokenizer != "bytes" and store is not None:
         tokenizer_ref = store.add_file(tok.path, "tokenizer.json")
+    for name in ("name", "seed", "seq_len", "tokenizer"):
+        settings.pop(name)
     manifest = build_manifest(
-        o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, inner_steps=o.inner_steps, sync=sync,
-        outer=outer, tokenizer=o.tokenizer, base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref,
+        o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, sync=sync, outer=outer, tokenizer=o.tokenizer,
+        base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref, sections=settings,
     )  # fmt: skip
     update = {}
     if shared is not None:  # the router and base were fitted on the same files, read by path
@@ -185,7 +157,6 @@ def build_manifest(
     *,
     seed: int = 0,
     seq_len: int = 64,
-    inner_steps: int = 50,
     inner: InnerOptimizerConfig | None = None,
     outer: OuterOptimizerConfig | None = None,
     sync: SyncConfig | None = None,
@@ -195,8 +166,10 @@ def build_manifest(
     base: ModuleStates | None = None,
     base_ref: ArtifactRef | None = None,
     tokenizer_ref: ArtifactRef | None = None,
+    sections: dict[str, Any] | None = None,
 ) -> RunManifest:
-    """Fits the router on up to `router_docs` training documents and returns the full manifest."""
+    """Fits the router on up to `router_docs` training documents and returns the full manifest; H is
+    `sync.inner_steps`. `sections`: the manifest's other settings (those `run create` passes on)."""
     tok = load_tokenizer(tokenizer)
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {model.vocab_size}")
@@ -229,7 +202,6 @@ def build_manifest(
         seed=seed,
         model=model,
         seq_len=seq_len,
-        inner_steps=inner_steps,
         inner=inner or InnerOptimizerConfig(),
         outer=outer or OuterOptimizerConfig(),
         sync=sync or SyncConfig(),
@@ -240,6 +212,7 @@ def build_manifest(
         base_checkpoint=base_ref,
         tokenizer_file=tokenizer_ref,
         created_at=time.time(),
+        **(sections or {}),
     )
     try:
         return RunManifest(**manifest)

@@ -313,7 +313,7 @@ class Membership:
             return None
         claims = dict(self.read_claims())
         claims[self.peer_id] = self.claim_record()
-        return plan_rotation(cfg, claims, round_index, every, tolerance=self.manifest.inner_steps)
+        return plan_rotation(cfg, claims, round_index, every, tolerance=self.manifest.sync.inner_steps)
 
     def move_to(self, path: Path) -> None:
         """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`."""

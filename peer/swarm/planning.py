@@ -67,7 +67,7 @@ def build_snapshot(
     grid = GridSpec(
         n_paths=manifest.model.n_paths,
         fragment_bytes=fragment_bytes(manifest, n_parameters),
-        inner_steps=manifest.inner_steps,
+        inner_steps=manifest.sync.inner_steps,
         tokens_per_step=batch_size * manifest.seq_len,
     )
     return SwarmSnapshot.from_measurements(peers, links, grid)

@@ -192,7 +192,7 @@ class StreamingOuter:
         self.group_of = group_of
         self.round_of = round_of
         self.sync = manifest.sync
-        self.inner_steps = manifest.inner_steps
+        self.inner_steps = manifest.sync.inner_steps
         self.peer_id = peer_id
         self.metrics = metrics
         #: position in the sync schedule, in inner steps; equal on holders in step (not the step count)
@@ -200,7 +200,7 @@ class StreamingOuter:
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
         self.totals = totals if totals is not None else SyncTotals()
-        self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.inner_steps, self.sync.fragments)
+        self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.sync.inner_steps, self.sync.fragments)
 
     def reset_tokens(self, tokens_total: int) -> None:
         self._tokens_at_sync = [tokens_total] * self.sync.fragments
