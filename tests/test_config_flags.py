@@ -123,7 +123,7 @@ def test_run_create_flags_fill_the_manifest_sections():
 
 
 def test_a_described_field_of_a_new_manifest_section_becomes_a_flag():
-    class Admission(BaseModel):
+    class Stake(BaseModel):
         """A section like the ones to come."""
 
         min_stake: int = Field(0, ge=0, description="a peer needs this much stake to join")
@@ -132,10 +132,10 @@ def test_a_described_field_of_a_new_manifest_section_becomes_a_flag():
     class Manifest(RunManifest):
         """The manifest with one more section."""
 
-        admission: Admission = Admission()
+        stake: Stake = Stake()
 
     flags = manifest_flags(Manifest)
-    assert flags["min_stake"][0] == ("admission", "min_stake") and "note" not in flags
+    assert flags["min_stake"][0] == ("stake", "min_stake") and "note" not in flags
     assert set(MANIFEST_FLAGS) < set(flags)
 
     class Clashing(Manifest):
