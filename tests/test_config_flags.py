@@ -143,7 +143,7 @@ def test_a_described_field_of_a_new_manifest_section_becomes_a_flag():
 
         other: Stake = Stake()
 
-    with pytest.raises(TypeError, match="--min_stake would set both admission.min_stake and other.min_stake"):
+    with pytest.raises(TypeError, match="--min_stake would set both stake.min_stake and other.min_stake"):
         manifest_flags(Clashing)
 
 
