@@ -30,7 +30,7 @@ from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
-from peer.sync.outer import GroupOf, StreamingOuter
+from peer.sync.outer import FragmentDone, GroupOf, StreamingOuter, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
 from peer.sync.state_fetch import fetch_budget_seconds, fetch_confirmed
@@ -115,6 +115,30 @@ class PathSync:
     def outer_round(self) -> int:
         """The trunk is on every path, so its round is the swarm's clock."""
         return self.syncs[TRUNK].outer_round
+
+    # --- the outer loop, as the training loop sees it (it calls nothing below PathSync) ---------
+
+    def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
+        """One inner step taken: starts the fragment syncs due now, returns those that finished."""
+        return self.outer.after_step(step, tokens_total, holders)
+
+    def drain(self, step: int) -> list[FragmentDone]:
+        """Finishes every sync still in flight (training stopped)."""
+        return self.outer.drain(step)
+
+    @property
+    def in_flight(self) -> int:
+        """Syncs started and not finished yet."""
+        return len(self.outer.pending)
+
+    @property
+    def totals(self) -> SyncTotals:
+        """Sync outcomes, rejected parts and bytes since the peer started (carried across rotations)."""
+        return self.outer.totals
+
+    def reset_tokens(self, tokens_total: int) -> None:
+        """Counts the next syncs' weights from `tokens_total` on (a rotation: the new path's tokens only)."""
+        self.outer.reset_tokens(tokens_total)
 
     def start(
         self,

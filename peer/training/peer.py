@@ -267,7 +267,7 @@ class Peer(PathRotation, RouterSwitch):
             loss=self.history.entries[-1]["loss"] if self.history.entries else None,
         )
         if self.sync is not None:
-            totals = self.sync.outer.totals
+            totals = self.sync.totals
             progress.digests = self.sync.fingerprints()
             progress.module_rounds = self.sync.fragment_rounds()
             progress.sync_outcomes = dict(totals.outcomes)
@@ -307,14 +307,14 @@ class Peer(PathRotation, RouterSwitch):
                 window_started, window_tokens = time.monotonic(), 0
             self.metrics.observe_step(tokens, self.last_loss, self.tokens_per_second)
             holders = self.membership.holders()
-            for done in self.sync.outer.after_step(self.step, self.tokens_total, holders):
+            for done in self.sync.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
             if self._rotation is not None:  # decided at the round's end, made once its syncs are all done
                 rotation, self._rotation = self._rotation, None
                 self._rotate(rotation)
                 self.model.train()
         holders = self.membership.holders()
-        for done in self.sync.outer.drain(self.step):
+        for done in self.sync.drain(self.step):
             self._fragment_done(done, holders)
 
     def _fragment_done(self, done: FragmentDone, holders: dict[str, list[str]]) -> None:

@@ -43,7 +43,7 @@ class PathRotation:
         """Moves this live peer to `rotation.target`: checkpoint, hand over the modules we were the
         last to hold, rebuild the path model, optimizer, sync layer and data, keeping the modules the
         two paths share, and download the others from their holders or keepers."""
-        if self.sync.outer.pending:
+        if self.sync.in_flight:
             logger.info("syncs still in flight at the round's end: not rotating this time")
             return
         cfg = self.manifest.model
@@ -72,7 +72,7 @@ class PathRotation:
         self.path = new_path
         self._build_model(kept=old_model, kept_sync=old_sync)
         # the next sync's weight counts the tokens trained on this path, not those since the start
-        self.sync.outer.reset_tokens(self.tokens_total)
+        self.sync.reset_tokens(self.tokens_total)
         self._join_path(old_sync.service)
         # The other holders accept our outer gradients once their claim views (renewed every
         # heartbeat) show our new claim: give them two heartbeats before our first sync on this path
