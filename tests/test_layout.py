@@ -1,5 +1,6 @@
 """The code's layout: layers import only downward, nothing imports in a circle, the DHT layer stands
-without the peer, few loose modules, light modules stay light and small."""
+without the peer, few loose modules, light modules stay light and small, and no mixins (a class reads
+only members it or its project bases declare: a whole is composed of parts it holds)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,73 @@ def test_few_modules_sit_loose_under_peer():
         p.name for p in (REPO / "peer").glob("*.py") if p.name not in ("__init__.py", "__main__.py")
     )
     assert len(loose) <= MAX_LOOSE_PEER_MODULES, loose
+
+
+def _project_classes() -> dict[str, tuple[ast.ClassDef, str]]:
+    """Every class defined in the project, by name (a name defined twice keeps both under module:name)."""
+    out: dict[str, tuple[ast.ClassDef, str]] = {}
+    for name, path in project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out[node.name if node.name not in out else f"{name}:{node.name}"] = (node, name)
+    return out
+
+
+def _declared(cls: ast.ClassDef) -> set[str]:
+    """Names a class body declares: methods, class attributes, and `self.x = ...` anywhere in it."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    for node in ast.walk(cls):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                ):
+                    names.add(sub.attr)
+    return names
+
+
+def mixins() -> list[str]:
+    """Classes that read `self.x` which neither they nor their project base classes declare: pieces of
+    a class assembled elsewhere (a mixin). Classes with a base from outside the project are skipped:
+    what such a base provides cannot be seen here."""
+    classes = _project_classes()
+    found = []
+    for cls, module in classes.values():
+        declared, todo, external = set(), [cls], False
+        while todo:
+            c = todo.pop()
+            declared |= _declared(c)
+            for b in c.bases:
+                if isinstance(b, ast.Name) and b.id in classes:
+                    todo.append(classes[b.id][0])
+                elif not (isinstance(b, ast.Name) and b.id == "object"):
+                    external = True
+        if external:
+            continue
+        read = {
+            n.attr
+            for n in ast.walk(cls)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        }
+        missing = sorted(read - declared)
+        if missing:
+            found.append(f"{module}.{cls.name} reads {', '.join(missing[:6])} it never declares")
+    return found
+
+
+def test_no_class_is_a_mixin_that_reads_members_it_never_declares():
+    assert not mixins(), mixins()

@@ -5,7 +5,8 @@ loss of the round, the outcome of every module's sync per fragment, the bytes th
 the round and for its largest single sync event, how long each of the round's syncs took from its
 start to its result, the groups, and the training time. Benchmarks (the WAN lab) and the demo read
 these entries from the checkpoints. `own_rounds` counts the rounds this peer completed (across
-resumes, unlike the swarm's round number in each entry): what --max_rounds limits.
+resumes, unlike the swarm's round number in each entry): what --max_rounds limits. `Throughput` is the
+tokens per second a peer reports in its claim and metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +14,32 @@ from __future__ import annotations
 import time
 
 from peer.sync.outer import FragmentDone
+
+#: throughput is reported over windows of at least this long
+TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
+
+
+class Throughput:
+    """Training tokens per second, measured over windows of at least TOKENS_PER_SECOND_WINDOW_SECONDS
+    (a single step's rate would jump with every wait on a sync)."""
+
+    def __init__(self) -> None:
+        self.tokens_per_second = 0.0
+        self._started = time.monotonic()
+        self._tokens = 0
+
+    def start(self) -> None:
+        """Opens a window (the training loop starts)."""
+        self._started, self._tokens = time.monotonic(), 0
+
+    def add(self, tokens: int) -> float:
+        """Counts one step's tokens; returns the rate of the last full window."""
+        self._tokens += tokens
+        elapsed = time.monotonic() - self._started
+        if elapsed > TOKENS_PER_SECOND_WINDOW_SECONDS:
+            self.tokens_per_second = self._tokens / elapsed
+            self.start()
+        return self.tokens_per_second
 
 
 class RoundHistory:

@@ -6,88 +6,102 @@ that are ahead, and starts the heartbeat. `Peer.run()` is the inner loop, with f
 outer steps at Streaming DiLoCo's offsets; with fewer peers than paths, a peer rotates to the
 least-trained path every --rotate_every_rounds rounds (`Peer._rotate`). `Peer.close()` checkpoints,
 announces that the peer is leaving and shuts everything down; it is safe to call at any point.
+
+`Peer` holds its parts and calls them; none calls back: `Membership` (claim, views, heartbeat),
+`PathSync` (the sync layer: the loop calls nothing below it), `RouterFollower` (the route its data is
+read with; a newer router version that is due), `RotationPolicy` (whether it moves at a round's end;
+the move is `Peer`'s, since it rebuilds the peer's own model, sync layer and data) and
+`PeerCheckpoints` (writing and restoring its checkpoints).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import torch
 
-from dht.node import start_dht
 from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
 from peer.artifacts.transfer import ArtifactService
-from peer.checkpoint import CheckpointDirLock, CheckpointError, load_latest_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig, RunManifest
 from peer.data.batches import PathBatches
 from peer.data.sources import load_documents
-from peer.errors import ConfigError
 from peer.faults import fault_point
 from peer.model.base import ModuleStates, base_modules
-from peer.model.grid import parse_path, path_index, path_module_ids
+from peer.model.grid import parse_path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.rebuild import check_tokenizer
-from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
-from peer.swarm.base_model import start_artifact_service
-from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 from peer.swarm.membership import Membership, Progress
-from peer.swarm.reachability import DialBackService, helpers_from
+from peer.swarm.reachability import DialBackService, Reachability, helpers_from
 from peer.swarm.rotation import Rotation
 from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
 from peer.sync.service import SyncService
-from peer.training.history import RoundHistory
+from peer.training.checkpoints import Counters, PeerCheckpoints
+from peer.training.history import RoundHistory, Throughput
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
-from peer.training.rotate import PathRotation
-from peer.training.router_switch import RouterSwitch
+from peer.training.joining import join_run, obtain_artifacts, start_node
+from peer.training.rotate import RotationPolicy
+from peer.training.router_switch import RouterFollower
 from peer.training.startup_checks import check_data, check_memory
 
 logger = logging.getLogger(__name__)
 
-#: throughput is reported over windows of at least this long
-TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
 
-
-class Peer(PathRotation, RouterSwitch):
+class Peer:
     """A volunteer's peer: joins a run, trains one path and keeps its modules in sync."""
 
     def __init__(self, config: PeerConfig):
         self.config = config
         self.stop_requested = threading.Event()
+        self.checkpoints = PeerCheckpoints(config)
+        # made by start(), in this order; close() shuts down whatever start() got to
+        self.device: torch.device | None = None
         self.dht = None
+        self.key = None
+        self.peer_id = ""
         self.dialback: DialBackService | None = None
-        self.membership: Membership | None = None
-        self.sync: PathSync | None = None
-        self.metrics: PeerMetrics | None = None
+        self.reachability: Reachability | None = None
         self.manifest: RunManifest | None = None
         self.record: ManifestRecord | None = None
         self.run_id = ""
+        self._data_root: Path | None = None
+        self.artifacts: ArtifactService | None = None
+        self.base: ModuleStates | None = None
+        self.tokenizer = None
+        self.membership: Membership | None = None
+        self.metrics: PeerMetrics | None = None
+        self.router: RouterFollower | None = None
+        self.rotation_policy: RotationPolicy | None = None
+        # the path trained now and what trains it: rebuilt by a rotation
+        self.path: tuple[int, ...] | None = None
+        self.model: PathModel | None = None
+        self.inner: torch.optim.Optimizer | None = None
+        self.sync: PathSync | None = None
+        self.batches: Iterator[torch.Tensor] | None = None
         self.step = 0
         self.tokens_total = 0
         # a join's cost as a volunteer sees it: from the process's start (imports included) to training
         self.process_started = psutil.Process().create_time()
         self.outer_round = 0
         self.last_loss = float("nan")
-        self.tokens_per_second = 0.0
+        self.throughput = Throughput()
         self.history = RoundHistory()
         #: path index -> inner steps this peer trained on it (several paths once it rotated)
         self.path_steps: dict[int, int] = {}
+        #: the move decided at a round's end, made in the loop once that step's syncs are handled
         self._rotation: Rotation | None = None
-        self._checkpointed_step = -1
         self._closed = False
-        self._dir_lock: CheckpointDirLock | None = None
-        self.artifacts: ArtifactService | None = None
-        self.base: ModuleStates | None = None
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -96,30 +110,20 @@ class Peer(PathRotation, RouterSwitch):
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.device = device_of(cfg.device)
-        if cfg.checkpoint_dir is not None:  # before anything joins: a second peer here stops at once
-            self._dir_lock = CheckpointDirLock(cfg.checkpoint_dir).acquire()
-        self.dht, self.key = start_dht(
-            initial_peers=cfg.initial_peers,
-            host_maddrs=cfg.host_maddrs,
-            announce_maddrs=cfg.announce_maddrs,
-            identity_path=cfg.identity_path,
-            client_mode=cfg.client_mode,
-            use_relay=cfg.use_relay,
-            use_auto_relay=cfg.use_auto_relay,
-            run_name=cfg.run_name,
-        )
+        self.checkpoints.lock()  # before anything joins: a second peer here stops at once
+        self.dht, self.key = start_node(cfg)
         self.peer_id = str(self.dht.peer_id)
         self.dialback = DialBackService(self.dht)
         self.reachability = self.dialback.check(
             self.dht, helpers_from(cfg.initial_peers), cfg.client_mode, cfg.use_auto_relay
         )
         logger.info(self.reachability.message)
-        self.manifest, self.record = self._join_run()
+        self.manifest, self.record = join_run(self.dht, self.key, cfg, self.peer_id)
         self.run_id = self.record.run_id
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         check_memory(self.manifest, cfg, self.device)
         self._data_root = check_data(self.manifest, cfg)
-        self.base = self._obtain_artifacts()
+        self.artifacts, self.base = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id)
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device
@@ -130,15 +134,20 @@ class Peer(PathRotation, RouterSwitch):
             self.membership.request_stop()
         self.membership.read_claims()
         self.membership.probe(cycle=0)
-        resumed = self._load_checkpoint() if cfg.resume else None
+        resumed = self.checkpoints.load(self.run_id) if cfg.resume else None
         fixed = parse_path(self.manifest.model, cfg.path) if cfg.path is not None else None
         if resumed is not None:
             fixed = tuple(resumed[1]["path"])
         self.path = self.membership.claim_path(fixed)
+        index = path_index(self.manifest.model, self.path)
         logger.info(
-            f"training path {path_index(self.manifest.model, self.path)} {self.path}: "
-            f"modules {path_module_ids(self.manifest.model, self.path)}"
+            f"training path {index} {self.path}: modules {path_module_ids(self.manifest.model, self.path)}"
         )
+        self.metrics = PeerMetrics(cfg.run, self.peer_id, str(index), __version__)
+        self.router = RouterFollower(
+            self.dht, self.key, cfg, self.manifest, self.record, self.base, self.artifacts, self.metrics
+        )
+        self.rotation_policy = RotationPolicy(self.membership, self.peer_id, fixed_path=cfg.path is not None)
         self._build_model()
         if resumed is not None:
             self._restore(*resumed)
@@ -156,44 +165,8 @@ class Peer(PathRotation, RouterSwitch):
         if self.membership is not None:
             self.membership.request_stop()
 
-    def _join_run(self) -> tuple[RunManifest, ManifestRecord]:
-        """The run's verified manifest: from --manifest_path (then published for the others), or
-        from the DHT; either way this peer keeps re-publishing it, so the run outlives its creator."""
-        cfg = self.config
-        pin = cfg.run_pin
-        if cfg.manifest_path is not None:
-            _, record = load_verified_manifest(cfg.manifest_path, cfg.run_name, pin)
-            publish_record(self.dht, self.key, record)
-            pin = record.run_id
-        manifest, record = fetch_manifest(self.dht, cfg.run_name, pin, creator=cfg.creator)
-        logger.info(
-            f"joined run {cfg.run_name}@{record.run_id[:16]} (created by key {creator_of(record)[:16]}) "
-            f"as {self.peer_id}"
-        )
-        publish_record(self.dht, self.key, record)
-        return manifest, record
-
-    def _obtain_artifacts(self) -> ModuleStates | None:
-        """The run's base model (None if it has none) and data shards, fetched if need be and served
-        from now on."""
-        m = self.manifest
-        if not (m.base_checkpoint or m.tokenizer_file or m.router_file or m.dataset.shards):
-            return None
-        self.artifacts, base = start_artifact_service(self.dht, self.key, self.config, m, self.run_id)
-        return base
-
     def _artifact_folders(self) -> list[Path]:
         return [self.artifacts.store.root] if self.artifacts is not None else []
-
-    def _load_checkpoint(self):
-        loaded = load_latest_checkpoint(self.config.checkpoint_dir)
-        if loaded is None:
-            logger.info(f"no checkpoint in {self.config.checkpoint_dir}; starting fresh")
-            return None
-        tensors, meta = loaded
-        if meta.get("run_id") != self.run_id:
-            raise ConfigError(f"checkpoint in {self.config.checkpoint_dir} belongs to another run")
-        return tensors, meta
 
     def _build_model(self, kept: PathModel | None = None, kept_sync: PathSync | None = None) -> None:
         """The path model, its inner optimizer and its sync layer; on a rotation, the modules the
@@ -208,11 +181,8 @@ class Peer(PathRotation, RouterSwitch):
         # DiPaCo gives each path its own inner optimizer: a path we rotate to starts a fresh one
         # (the old path's Adam moments belong to modules and a data shard we no longer train)
         self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
-        label = str(path_index(m.model, self.path))
-        if self.metrics is None:
-            self.metrics = PeerMetrics(self.config.run, self.peer_id, label, __version__)
-        else:
-            self.metrics.set_path(label)
+        if kept is not None:  # start() made the metrics with the path's label
+            self.metrics.set_path(str(path_index(m.model, self.path)))
         self.sync = PathSync(
             m,
             self.model,
@@ -232,22 +202,21 @@ class Peer(PathRotation, RouterSwitch):
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         if downloaded:
             # a crash before the first round must not cost the download again (minutes for a big path)
-            try:
-                self.checkpoint()
-            except CheckpointError as e:
-                logger.error(f"checkpoint of the downloaded state failed, training goes on: {e}")
+            self._try_checkpoint("checkpoint of the downloaded state failed, training goes on")
         self._start_data()
 
     def _start_data(self) -> None:
         m = self.manifest
+        documents = load_documents(m.dataset, root=self._data_root, shard_folders=self._artifact_folders())
+        index = path_index(m.model, self.path)
+        try:
+            route = self.router.route(self.outer_round, index)
+        finally:
+            self._adopt_artifacts()
         batches = PathBatches(
-            load_documents(
-                m.dataset,
-                root=self._data_root,
-                shard_folders=self._artifact_folders(),
-            ),
-            self._route(),
-            path_index(m.model, self.path),
+            documents,
+            route,
+            index,
             self.tokenizer,
             m.seq_len,
             self.config.batch_size,
@@ -263,7 +232,7 @@ class Peer(PathRotation, RouterSwitch):
             step=self.step,
             outer_round=self.outer_round,
             tokens_total=self.tokens_total,
-            tokens_per_second=self.tokens_per_second,
+            tokens_per_second=self.throughput.tokens_per_second,
             loss=self.history.entries[-1]["loss"] if self.history.entries else None,
         )
         if self.sync is not None:
@@ -282,7 +251,7 @@ class Peer(PathRotation, RouterSwitch):
         m = self.manifest
         autocast = autocast_for(self.device)
         self.model.train()
-        window_started, window_tokens = time.monotonic(), 0
+        self.throughput.start()
         self.history.start_clock()
         first_step = True
         while not self._finishing():
@@ -299,13 +268,8 @@ class Peer(PathRotation, RouterSwitch):
             index = path_index(m.model, self.path)
             self.path_steps[index] = self.path_steps.get(index, 0) + 1
             self.tokens_total += tokens
-            window_tokens += tokens
             self.history.add_loss(self.last_loss)
-            elapsed = time.monotonic() - window_started
-            if elapsed > TOKENS_PER_SECOND_WINDOW_SECONDS:
-                self.tokens_per_second = window_tokens / elapsed
-                window_started, window_tokens = time.monotonic(), 0
-            self.metrics.observe_step(tokens, self.last_loss, self.tokens_per_second)
+            self.metrics.observe_step(tokens, self.last_loss, self.throughput.add(tokens))
             holders = self.membership.holders()
             for done in self.sync.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
@@ -337,15 +301,16 @@ class Peer(PathRotation, RouterSwitch):
             self.config.checkpoint_dir is not None
             and self.outer_round % self.config.checkpoint_every_rounds == 0
         ):
-            try:
-                self.checkpoint()
-            except CheckpointError as e:
-                # a full disk must not stop the training: the last good checkpoint stays, we retry next round
-                logger.error(f"checkpoint failed, training goes on: {e}")
+            # a full disk must not stop the training: the last good checkpoint stays, we retry next round
+            if not self._try_checkpoint("checkpoint failed, training goes on"):
                 self.metrics.checkpoint_failed()
         self.membership.announce()
         self._follow_router()
-        self._rotation = self._rotation_due()
+        # every peer computes the swarm's rotation alike; one that is leaving does not move
+        if self._finishing():
+            self._rotation = None
+        else:
+            self._rotation = self.rotation_policy.decide(self.outer_round, self.sync.in_flight)
 
     def _finishing(self) -> bool:
         cfg = self.config
@@ -356,55 +321,81 @@ class Peer(PathRotation, RouterSwitch):
             or (cfg.max_rounds is not None and self.history.own_rounds >= cfg.max_rounds)
         )
 
-    # --- checkpoints and shutdown ---------------------------------------------------------------
+    # --- router, rotation, checkpoints and shutdown ----------------------------------------------
+
+    def _follow_router(self) -> None:
+        """At a round boundary: a newer router version that is due re-routes our data shard."""
+        try:
+            route = self.router.due(self.outer_round, path_index(self.manifest.model, self.path))
+        finally:
+            self._adopt_artifacts()
+        if route is not None:
+            self._start_data()
+
+    def _adopt_artifacts(self) -> None:
+        """A router version in a run without artifacts made the router follower start an artifact
+        service: the peer's from now on (the heartbeat re-publishes what it serves, close stops it)."""
+        if self.router.artifacts is not self.artifacts:
+            self.artifacts = self.membership.artifacts = self.router.artifacts
+
+    def _rotate(self, rotation: Rotation) -> None:
+        """Moves this live peer to `rotation.target` (`RotationPolicy` decided it): checkpoint, hand
+        over the modules we were the last to hold, rebuild the path model, optimizer, sync layer and
+        data, keeping the modules the two paths share, and download the others from their holders or
+        keepers."""
+        cfg = self.manifest.model
+        steps = ", ".join(f"{p}: {n}" for p, n in sorted(rotation.steps.items()))
+        logger.info(f"rotating from path {rotation.source} to path {rotation.target} (path steps {steps})")
+        if self.checkpoints.saved_step != self.step:
+            self._try_checkpoint("checkpoint before rotating failed, rotating anyway")
+        new_path = path_from_index(cfg, rotation.target)
+        dropped = [mid for mid in self.model.module_ids if mid not in path_module_ids(cfg, new_path)]
+        if self.rotation_policy.blocked(self._hand_over(self.membership.modules_only_we_hold(dropped))):
+            return
+        old_model, old_sync = self.model, self.sync
+        self.membership.move_to(new_path)
+        moved_at = time.monotonic()
+        self.path = new_path
+        self._build_model(kept=old_model, kept_sync=old_sync)
+        # the next sync's weight counts the tokens trained on this path, not those since the start
+        self.sync.reset_tokens(self.tokens_total)
+        self._join_path(old_sync.service)
+        # The other holders accept our outer gradients once their claim views (renewed every
+        # heartbeat) show our new claim: give them two heartbeats before our first sync on this path
+        # (rounds usually take far longer; this matters to short rounds).
+        self.stop_requested.wait(max(0.0, moved_at + 2 * self.config.heartbeat_seconds - time.monotonic()))
+        self.membership.start_path()
+        logger.info(f"training path {rotation.target} {self.path}: modules {self.model.module_ids}")
 
     def checkpoint(self) -> Path | None:
-        if self.config.checkpoint_dir is None:
-            return None
-        tensors = self.sync.state_tensors()
-        for name, p in self.model.named_parameters():
-            tensors[f"local/{name}"] = p.detach()
-        meta = dict(
-            step=self.step,
+        """Writes a checkpoint of this peer as it is now (None without --checkpoint_dir)."""
+        return self.checkpoints.save(
+            Counters(self.step, self.outer_round, self.tokens_total, self.path_steps),
+            self.sync,
+            self.model,
+            self.history,
             run_id=self.run_id,
-            run=self.config.run_name,
-            path=list(self.path),
-            path_steps={str(p): n for p, n in sorted(self.path_steps.items())},
-            outer_round=self.outer_round,
-            fragment_rounds=self.sync.fragment_rounds(),
-            tokens_total=self.tokens_total,
             peer_id=self.peer_id,
-            loss=self.last_loss if math.isfinite(self.last_loss) else None,
-            history=self.history.entries[-200:],
-            own_rounds=self.history.own_rounds,
-            train_seconds=self.history.train_seconds,
-            **self._router_meta(),
+            path=self.path,
+            loss=self.last_loss,
+            router_meta=self.router.meta(),
         )
-        path = save_checkpoint(
-            Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
-        )
-        self._checkpointed_step = self.step
-        return path
+
+    def _try_checkpoint(self, failed: str) -> bool:
+        """A checkpoint whose failure (a full disk) must not stop what the peer is doing: logged as
+        `failed`; returns whether it was written."""
+        try:
+            self.checkpoint()
+        except CheckpointError as e:
+            logger.error(f"{failed}: {e}")
+            return False
+        return True
 
     def _restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        self.step = int(meta["step"])
-        self.outer_round = int(meta["outer_round"])
-        self.tokens_total = int(meta.get("tokens_total", 0))
-        # a checkpoint from before rotation trained only the path it names
-        steps = meta.get("path_steps") or {path_index(self.manifest.model, self.path): self.step}
-        self.path_steps = {int(p): int(n) for p, n in steps.items() if int(n) > 0}
-        own = meta.get("own_rounds")
-        self.history.restore(
-            meta.get("history", []), float(meta.get("train_seconds", 0.0)), None if own is None else int(own)
-        )
-        self.sync.restore(tensors, meta.get("fragment_rounds"), self.outer_round, self.tokens_total)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(tensors[f"local/{name}"].to(p.dtype))
-        logger.info(
-            f"resumed from checkpoint at step {self.step}, outer round {self.outer_round} "
-            f"(own rounds {self.history.own_rounds}), fragment rounds {self.sync.fragment_rounds()}"
-        )
+        index = path_index(self.manifest.model, self.path)
+        c = self.checkpoints.restore(tensors, meta, index, self.sync, self.model, self.history)
+        self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
+        self.path_steps = c.path_steps
 
     def _hand_over(self, modules: list[str]) -> list[str]:
         """Hands `modules` (we are their last holder) to the run's keepers; returns those none took."""
@@ -423,7 +414,7 @@ class Peer(PathRotation, RouterSwitch):
         self._closed = True
         self.request_stop()
         try:
-            if self.sync is not None and self.step > 0 and self._checkpointed_step != self.step:
+            if self.sync is not None and self.step > 0 and self.checkpoints.saved_step != self.step:
                 self.checkpoint()
         except Exception as e:
             logger.error(f"final checkpoint failed: {e}")
@@ -432,17 +423,8 @@ class Peer(PathRotation, RouterSwitch):
             self._hand_over(self.membership.modules_only_we_hold())
         if self.membership is not None:
             self.membership.leave()
-        if self.sync is not None:
-            self.sync.shutdown()
-        if self.membership is not None:
-            self.membership.shutdown()
-        if self.metrics is not None:
-            self.metrics.shutdown()
-        if self.dialback is not None:
-            self.dialback.shutdown()
-        if self.artifacts is not None:
-            self.artifacts.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
-        if self._dir_lock is not None:
-            self._dir_lock.release()
+        # the sync layer first (its rounds use the others), the DHT last (every part talks through it)
+        for part in (self.sync, self.membership, self.metrics, self.dialback, self.artifacts, self.dht):
+            if part is not None:
+                part.shutdown()
+        self.checkpoints.release()

@@ -1,4 +1,4 @@
-"""Following the run's router versions (`Peer` inherits it): DiPaCo's discriminative re-routing live.
+"""Following the run's router versions: DiPaCo's discriminative re-routing live (`RouterFollower`).
 
 Once per outer round the peer reads the run's router versions from the DHT (peer/run/router_versions.py:
 signed by the run's creator, refused otherwise). At its first round boundary at or after a newer
@@ -14,11 +14,17 @@ import logging
 import time
 from pathlib import Path
 
+import hivemind
+from hivemind.utils.crypto import RSAPrivateKey
+
 from dht.keys import ROUTER_TTL_SECONDS
+from dht.schema import ManifestRecord
+from monitoring.metrics import PeerMetrics
 from peer.artifacts.store import ArtifactError, ArtifactStore
 from peer.artifacts.transfer import ArtifactService
+from peer.config import PeerConfig, RunManifest
 from peer.errors import ConfigError
-from peer.model.grid import path_index
+from peer.model.base import ModuleStates
 from peer.model.route import Route
 from peer.run.rebuild import make_route
 from peer.run.router_versions import (
@@ -32,36 +38,60 @@ from peer.swarm.base_model import default_artifacts_dir, obtain_artifact, run_fo
 logger = logging.getLogger(__name__)
 
 
-class RouterSwitch:
-    """The routing half of `Peer`: the route its data shard is read with, and switching versions."""
+class RouterFollower:
+    """A peer's route: the one its data shard is read with, and the switch to a newer router version.
 
-    _route_fn: Route | None = None
-    #: the router version we route with; None: the manifest's own router
-    router_version: RouterVersion | None = None
-    _announced_due: int = 0
-    _router_published_at: float = 0.0
+    The peer asks `route()` when it reads its shard and `due()` at every round's end; a route from
+    `due()` means "re-read your shard with it". What to do with the answer is the peer's business.
+    """
 
-    def _route(self) -> Route:
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        key: RSAPrivateKey,
+        config: PeerConfig,
+        manifest: RunManifest,
+        record: ManifestRecord,
+        base: ModuleStates | None,
+        artifacts: ArtifactService | None,
+        metrics: PeerMetrics,
+    ):
+        """`artifacts`: the peer's artifact service, None in a run whose manifest names no artifact;
+        a router version then starts one here, which the peer takes over from `artifacts`."""
+        self.dht, self.key, self.config = dht, key, config
+        self.manifest, self.record, self.base = manifest, record, base
+        self.artifacts = artifacts
+        self.metrics = metrics
+        self._route: Route | None = None
+        #: the router version we route with; None: the manifest's own router
+        self.version: RouterVersion | None = None
+        self._announced_due = 0  # the version whose "due at round" line was logged
+        self._published_at = 0.0
+
+    def route(self, outer_round: int, path_index: int) -> Route:
         """The route to read our path's shard with: the latest version due by now, else the manifest's."""
-        if self._route_fn is None and not self._switch_router():
-            self._route_fn = make_route(self.manifest, self.base, self._artifact_folders())
-        return self._route_fn
+        if self._route is None and not self._switch(outer_round, path_index):
+            self._route = make_route(self.manifest, self.base, self.folders())
+        return self._route
 
-    def _follow_router(self) -> None:
-        """At a round boundary: a newer router version that is due re-routes our data shard."""
-        if self._switch_router():
-            self._start_data()
+    def due(self, outer_round: int, path_index: int) -> Route | None:
+        """At a round boundary: the route of a newer router version that is due, else None."""
+        return self._route if self._switch(outer_round, path_index) else None
 
-    def _router_meta(self) -> dict:
+    def meta(self) -> dict:
         """What a checkpoint says about the router it trained with (`pathswarm eval` routes alike)."""
-        v = self.router_version
+        v = self.version
         return (
             {}
             if v is None
             else {"router_version": v.router_version, "router_file": v.router_file.model_dump()}
         )
 
-    def _switch_router(self) -> bool:
+    def folders(self) -> list[Path]:
+        """Where the run's artifacts (base model, router files, shards) lie on this machine."""
+        return [self.artifacts.store.root] if self.artifacts is not None else []
+
+    def _switch(self, outer_round: int, path_index: int) -> bool:
         try:
             found = latest_router_version(self.dht, self.config.run_name, self.record)
         except Exception as e:  # reading the DHT must never stop the training
@@ -70,55 +100,51 @@ class RouterSwitch:
         if found is None:
             return False
         version, record, _ = found
-        current = self.router_version.router_version if self.router_version else 0
+        current = self.version.router_version if self.version else 0
         if version.router_version <= current:
             if version.router_version == current:  # keep the version alive after its publisher left
                 self._republish(record)
             return False
-        if self.outer_round < version.switch_round:
+        if outer_round < version.switch_round:
             if self._announced_due != version.router_version:
                 self._announced_due = version.router_version
                 logger.info(f"router version {version.router_version} is due at round {version.switch_round}")
             return False
         try:
-            router = read_router(self._fetch_router(version), f"router version {version.router_version}")
-            route = make_route(self.manifest, self.base, self._artifact_folders(), router=router)
+            router = read_router(self._fetch(version), f"router version {version.router_version}")
+            route = make_route(self.manifest, self.base, self.folders(), router=router)
         except (ArtifactError, ConfigError) as e:
             logger.warning(f"router version {version.router_version}: {e}; keeping ours, trying next round")
             return False
-        self._route_fn, self.router_version = route, version
+        self._route, self.version = route, version
         self._republish(record, now=True)
-        index = path_index(self.manifest.model, self.path)
         logger.info(
-            f"router version {version.router_version} from round {self.outer_round} (due at round "
-            f"{version.switch_round}): path {index}'s data is re-routed"
+            f"router version {version.router_version} from round {outer_round} (due at round "
+            f"{version.switch_round}): path {path_index}'s data is re-routed"
         )
-        if self.metrics is not None:
-            self.metrics.set_router_version(version.router_version)
+        self.metrics.set_router_version(version.router_version)
         return True
 
     def _republish(self, record, now: bool = False) -> None:
-        if now or time.monotonic() - self._router_published_at > ROUTER_TTL_SECONDS / 3:
+        if now or time.monotonic() - self._published_at > ROUTER_TTL_SECONDS / 3:
             if publish_router_record(self.dht, self.key, self.config.run_name, record):
-                self._router_published_at = time.monotonic()
+                self._published_at = time.monotonic()
 
-    def _fetch_router(self, version: RouterVersion) -> Path:
+    def _fetch(self, version: RouterVersion) -> Path:
         cfg = self.config
         if self.artifacts is None:  # a run without artifacts in its manifest has no service yet
             store = ArtifactStore(cfg.artifacts_dir or default_artifacts_dir(cfg.checkpoint_dir))
             self.artifacts = ArtifactService(self.dht, store)
-            if self.membership is not None:
-                self.membership.artifacts = self.artifacts  # its heartbeat re-publishes what we serve
         what = f"router version {version.router_version}"
         local = [run_folder_store(cfg.manifest_path)]
         path = obtain_artifact(
             self.artifacts,
             self.dht,
-            (cfg.run_name, self.run_id),
+            (cfg.run_name, self.record.run_id),
             version.router_file,
             local,
             what,
             progress=False,
         )
-        self.artifacts.publish(self.dht, self.key, cfg.run_name, self.run_id)
+        self.artifacts.publish(self.dht, self.key, cfg.run_name, self.record.run_id)
         return path

@@ -1,0 +1,142 @@
+"""A peer's checkpoints (`PeerCheckpoints`): what it writes to --checkpoint_dir and how it resumes.
+
+A checkpoint holds the sync layer's state (global copies, outer momentum), the path model's own
+weights (`local/<name>`) and a meta dict: the counters, the path and the paths trained before a
+rotation, every fragment's round, the round history, and the router version trained with. The store
+(peer/checkpoint/) writes it crash-safe and prunes to --keep_checkpoints; the directory lock keeps a
+second peer out of the directory for the whole life of this one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peer.checkpoint import CheckpointDirLock, load_latest_checkpoint, save_checkpoint
+from peer.config import PeerConfig
+from peer.errors import ConfigError
+from peer.model.transformer import PathModel
+from peer.sync.path_sync import PathSync
+from peer.training.history import RoundHistory
+
+logger = logging.getLogger(__name__)
+
+#: round-history entries a checkpoint keeps (the meta stays small; `own_rounds` keeps the count)
+HISTORY_KEPT = 200
+
+
+@dataclass
+class Counters:
+    """A peer's training counters, as a checkpoint keeps them."""
+
+    step: int
+    outer_round: int
+    tokens_total: int
+    #: path index -> inner steps this peer trained on it
+    path_steps: dict[int, int]
+
+
+class PeerCheckpoints:
+    """Writes and restores one peer's checkpoints; a no-op without --checkpoint_dir."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        #: the step of the last checkpoint written (-1: none): rotation and close skip a repeat
+        self.saved_step = -1
+        self._lock: CheckpointDirLock | None = None
+
+    def lock(self) -> None:
+        """Takes the directory (before anything joins: a second peer here stops at once)."""
+        if self.config.checkpoint_dir is not None:
+            self._lock = CheckpointDirLock(self.config.checkpoint_dir).acquire()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def load(self, run_id: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The latest checkpoint (tensors, meta), None if there is none; refuses another run's."""
+        loaded = load_latest_checkpoint(self.config.checkpoint_dir)
+        if loaded is None:
+            logger.info(f"no checkpoint in {self.config.checkpoint_dir}; starting fresh")
+            return None
+        tensors, meta = loaded
+        if meta.get("run_id") != run_id:
+            raise ConfigError(f"checkpoint in {self.config.checkpoint_dir} belongs to another run")
+        return tensors, meta
+
+    def save(
+        self,
+        counters: Counters,
+        sync: PathSync,
+        model: PathModel,
+        history: RoundHistory,
+        *,
+        run_id: str,
+        peer_id: str,
+        path: tuple[int, ...],
+        loss: float,
+        router_meta: dict,
+    ) -> Path | None:
+        """Writes a checkpoint of the peer training `path` (None without --checkpoint_dir);
+        `router_meta`: the router version it trains with (`RouterFollower.meta`)."""
+        if self.config.checkpoint_dir is None:
+            return None
+        tensors = sync.state_tensors()
+        for name, p in model.named_parameters():
+            tensors[f"local/{name}"] = p.detach()
+        meta = dict(
+            step=counters.step,
+            run_id=run_id,
+            run=self.config.run_name,
+            path=list(path),
+            path_steps={str(p): n for p, n in sorted(counters.path_steps.items())},
+            outer_round=counters.outer_round,
+            fragment_rounds=sync.fragment_rounds(),
+            tokens_total=counters.tokens_total,
+            peer_id=peer_id,
+            loss=loss if math.isfinite(loss) else None,
+            history=history.entries[-HISTORY_KEPT:],
+            own_rounds=history.own_rounds,
+            train_seconds=history.train_seconds,
+            **router_meta,
+        )
+        path = save_checkpoint(
+            Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
+        )
+        self.saved_step = counters.step
+        return path
+
+    def restore(
+        self,
+        tensors: dict[str, torch.Tensor],
+        meta: dict,
+        path_index: int,
+        sync: PathSync,
+        model: PathModel,
+        history: RoundHistory,
+    ) -> Counters:
+        """Loads a checkpoint into `sync`, `model` and `history` (of the path it names, `path_index`);
+        returns the counters it holds."""
+        step, outer_round = int(meta["step"]), int(meta["outer_round"])
+        tokens_total = int(meta.get("tokens_total", 0))
+        # a checkpoint from before rotation trained only the path it names
+        steps = meta.get("path_steps") or {path_index: step}
+        path_steps = {int(p): int(n) for p, n in steps.items() if int(n) > 0}
+        own = meta.get("own_rounds")
+        history.restore(
+            meta.get("history", []), float(meta.get("train_seconds", 0.0)), None if own is None else int(own)
+        )
+        sync.restore(tensors, meta.get("fragment_rounds"), outer_round, tokens_total)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(tensors[f"local/{name}"].to(p.dtype))
+        logger.info(
+            f"resumed from checkpoint at step {step}, outer round {outer_round} "
+            f"(own rounds {history.own_rounds}), fragment rounds {sync.fragment_rounds()}"
+        )
+        return Counters(step, outer_round, tokens_total, path_steps)

@@ -1,0 +1,65 @@
+"""How a peer enters a run before it claims a path: its DHT node, the run's verified manifest, the
+run's artifacts. Plain functions of what they are given; `Peer.start` keeps what they return.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hivemind
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.node import start_dht
+from dht.schema import ManifestRecord
+from peer.artifacts.transfer import ArtifactService
+from peer.config import PeerConfig, RunManifest
+from peer.model.base import ModuleStates
+from peer.run.record import load_verified_manifest
+from peer.swarm.base_model import start_artifact_service
+from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
+
+logger = logging.getLogger(__name__)
+
+
+def start_node(cfg: PeerConfig) -> tuple[hivemind.DHT, RSAPrivateKey]:
+    """This peer's DHT node, on the addresses, relays and identity the config names."""
+    return start_dht(
+        initial_peers=cfg.initial_peers,
+        host_maddrs=cfg.host_maddrs,
+        announce_maddrs=cfg.announce_maddrs,
+        identity_path=cfg.identity_path,
+        client_mode=cfg.client_mode,
+        use_relay=cfg.use_relay,
+        use_auto_relay=cfg.use_auto_relay,
+        run_name=cfg.run_name,
+    )
+
+
+def join_run(
+    dht: hivemind.DHT, key: RSAPrivateKey, cfg: PeerConfig, peer_id: str
+) -> tuple[RunManifest, ManifestRecord]:
+    """The run's verified manifest: from --manifest_path (then published for the others), or
+    from the DHT; either way this peer keeps re-publishing it, so the run outlives its creator."""
+    pin = cfg.run_pin
+    if cfg.manifest_path is not None:
+        _, record = load_verified_manifest(cfg.manifest_path, cfg.run_name, pin)
+        publish_record(dht, key, record)
+        pin = record.run_id
+    manifest, record = fetch_manifest(dht, cfg.run_name, pin, creator=cfg.creator)
+    logger.info(
+        f"joined run {cfg.run_name}@{record.run_id[:16]} (created by key {creator_of(record)[:16]}) "
+        f"as {peer_id}"
+    )
+    publish_record(dht, key, record)
+    return manifest, record
+
+
+def obtain_artifacts(
+    dht: hivemind.DHT, key: RSAPrivateKey, cfg: PeerConfig, manifest: RunManifest, run_id: str
+) -> tuple[ArtifactService | None, ModuleStates | None]:
+    """The service that fetched the run's artifacts and serves them from now on, and the run's base
+    model; (None, None) for a run whose manifest names no artifact."""
+    m = manifest
+    if not (m.base_checkpoint or m.tokenizer_file or m.router_file or m.dataset.shards):
+        return None, None
+    return start_artifact_service(dht, key, cfg, m, run_id)
