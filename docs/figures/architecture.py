@@ -72,8 +72,8 @@ def grid_panel(ax):
         ax.plot(xs, ys, color=COLOURS[peer], lw=2.4, solid_capstyle="round", zorder=3)
     ax.text(-1.5, -1.25, "holders average:  trunk A B C D · l0m0 A B · l0m1 C D · l1m0 A C · l1m1 B D",
             fontsize=8.5, color="#333333")  # fmt: skip
-    ax.text(-1.5, -1.75, "each sync: Δ = θ̄ − θ_local, all-gathered, robustly aggregated, same bits on every holder",
-            fontsize=8.5, color="#333333")  # fmt: skip
+    sync = "each sync: Δ = θ̄ − θ_local, all-gathered, robustly aggregated, same bits on every holder"
+    ax.text(-1.5, -1.75, sync, fontsize=8.5, color="#333333")
 
 
 def swarm_panel(ax):
@@ -123,9 +123,12 @@ def schedule_panel(ax, h=48, p=4, tau=11, rounds=2):
     ax.set_xlabel("inner step", fontsize=9)
     ax.set_xticks(range(0, end + 1, 12))
     ax.tick_params(labelsize=8)
-    ax.set_title(f"One module's P = {p} fragments (H = {h}, τ = {tau}, as in the WAN lab): each fragment's "
-                 "round runs in the background\nwhile inner steps go on; τ steps later its outer step "
-                 "is applied to θ̄ and mixed into the local model with α", fontsize=10, loc="left")  # fmt: skip
+    title = (
+        f"One module's P = {p} fragments (H = {h}, τ = {tau}, as in the WAN lab): each fragment's round runs "
+        "in the background\nwhile inner steps go on; τ steps later its outer step is applied to θ̄ and mixed "
+        "into the local model with α"
+    )
+    ax.set_title(title, fontsize=10, loc="left")
     ax.add_patch(plt.Rectangle((0, p - 0.05), end, 0.55, fc="#dfe9f3", ec="none"))
     ax.text(end / 2, p + 0.22, "inner steps: AdamW on the path's shard, never waiting for a round",
             ha="center", va="center", fontsize=8.5)  # fmt: skip
@@ -147,9 +150,12 @@ def schedule_panel(ax, h=48, p=4, tau=11, rounds=2):
     ax.annotate("", xy=(first + h, row1 + 0.62), xytext=(first, row1 + 0.62),
                 arrowprops=dict(arrowstyle="<->", lw=0.9))  # fmt: skip
     ax.text(first + h / 2, row1 + 0.78, "H", ha="center", va="center", fontsize=9)
-    ax.plot([], [], color="#555555", lw=1.6, label="Δ encoded and sent: t ≡ ⌊p·H/P⌋ (mod H)")
-    ax.add_patch(plt.Rectangle((0, 0), 0, 0, fc="#999999", alpha=0.35, label="round in flight: all-gather, reports, aggregation"))
-    ax.plot([], [], marker="D", ls="none", color="#555555", label="outer step on θ̄, then θ_local ← α·θ_local + (1−α)·θ̃")
+    sent = "Δ encoded and sent: t ≡ ⌊p·H/P⌋ (mod H)"
+    flight = "round in flight: all-gather, reports, aggregation"
+    applied = "outer step on θ̄, then θ_local ← α·θ_local + (1−α)·θ̃"
+    ax.plot([], [], color="#555555", lw=1.6, label=sent)
+    ax.add_patch(plt.Rectangle((0, 0), 0, 0, fc="#999999", alpha=0.35, label=flight))
+    ax.plot([], [], marker="D", ls="none", color="#555555", label=applied)
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, -0.02), ncol=3, fontsize=8, frameon=False)
 
 
