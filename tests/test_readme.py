@@ -1,4 +1,5 @@
-"""The README's first two lines are the commands a fresh machine runs; CI must run the second."""
+"""The README: its Quick start holds the two commands a fresh machine runs (CI must run the second), its
+command blocks run as written, and every relative link in it and in docs/ points at a file."""
 
 import json
 import os
@@ -18,12 +19,60 @@ from peer.run.record import load_record
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: the README stays a front page; the rest lives in docs/
+README_MAX_LINES = 300
+
+
 def test_ci_runs_the_readme_test_command():
+    """The Quick start's block is exactly two commands, install + demo first and the tests second;
+    `.ci/run` runs the second as written."""
     lines = ROOT.joinpath("README.md").read_text().splitlines()
-    install_and_demo, tests = lines[0].strip(), lines[1].strip()
+    assert lines[0].startswith("# ") and lines[0][2:].strip(), lines[0]
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+    commands = readme_block("## Quick start")
+    assert len(commands) == 2, commands
+    install_and_demo, tests = commands
     assert "pathswarm demo" in install_and_demo and "pip install" in install_and_demo
     assert "pytest" in tests and "pip install" in tests
     assert tests in ROOT.joinpath(".ci", "run").read_text()
+
+
+#: [text](target) and ![alt](target), not inside code spans or fenced blocks
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _links(text: str) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return MARKDOWN_LINK.findall(text)
+
+
+def _anchors(text: str) -> set[str]:
+    """The #anchors a markdown page's headings get (GitHub's rule: lower case, punctuation dropped,
+    spaces to hyphens)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    headings = re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    """Links to other sites are not followed; every other link must name a file or folder of the
+    checkout, and an #anchor into a markdown page one of its headings."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken, checked = [], 0
+    for page in pages:
+        for target in _links(page.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                continue  # http:, https:, mailto: …
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            checked += 1
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert checked > 50, checked  # the README and docs/ link to each other: this must find them
+    assert not broken, broken
 
 
 def readme_block(heading: str) -> list[str]:
