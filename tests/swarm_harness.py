@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
-from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.config import AdmissionConfig, InnerOptimizerConfig, SyncConfig
 from peer.data.sources import DatasetSpec
 from peer.model.grid import ModelConfig
 from peer.run.create import build_manifest
@@ -25,9 +25,12 @@ def write_manifest(
     inner_steps: int = 10,
     fragments: int = 1,
     grid: tuple[int, int] = (2, 2),
+    creator: RSAPrivateKey | None = None,
+    admission: AdmissionConfig | None = None,
     **sync: object,
 ) -> tuple[Path, str]:
-    """A tiny signed run (an LxK grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`."""
+    """A tiny signed run (an LxK grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`, signed
+    by `creator` (a fresh key by default)."""
     levels, k = grid
     manifest = build_manifest(
         RUN,
@@ -39,8 +42,9 @@ def write_manifest(
             inner_steps=inner_steps, fragments=fragments, **{"averaging_timeout_seconds": 10.0, **sync}
         ),
         router_docs=200,
+        sections={"admission": admission} if admission is not None else None,
     )
-    record = sign_manifest(manifest, RSAPrivateKey())
+    record = sign_manifest(manifest, creator or RSAPrivateKey())
     path = folder / "manifest.json"
     save_record(record, path)
     return path, record.run_id

@@ -1,5 +1,6 @@
 """`pathswarm run create`: fit a run's router, sign its manifest, write it and publish it;
-`pathswarm run reroute`: re-route a live run by its paths' losses (peer/run/reroute.py).
+`pathswarm run reroute`: re-route a live run by its paths' losses (peer/cli/reroute.py);
+`pathswarm run invite` / `admit`: let volunteers in (peer/cli/admission_commands.py).
 
 `create`'s flags are the fields of `peer.run.options.RunOptions`, generated (peer/cli/flags.py), plus
 where to write and publish; the whole path from flags to manifest is `manifest_from_options`.
@@ -12,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+from peer.cli import admission_commands
 from peer.cli.common import Handler, add_swarm_flags, setup_logging
 from peer.cli.flags import add_model_flags, given
 from peer.run.options import MANIFEST_FLAGS, RunChoices, RunOptions
@@ -23,8 +25,9 @@ PUBLISH_ATTEMPTS = 3
 
 
 def register(subparsers) -> dict[str, Handler]:
-    p = subparsers.add_parser("run", help="create runs, re-route them")
+    p = subparsers.add_parser("run", help="create runs, admit volunteers, re-route runs")
     rsub = p.add_subparsers(dest="run_command", required=True)
+    admission_commands.add(rsub)
     c = rsub.add_parser(
         "create",
         help="fit the router, sign a run manifest, write and publish it",
@@ -78,7 +81,12 @@ def register(subparsers) -> dict[str, Handler]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    return cmd_run_reroute(args) if args.run_command == "reroute" else cmd_run_create(args)
+    commands = {
+        "reroute": cmd_run_reroute,
+        "invite": admission_commands.cmd_invite,
+        "admit": admission_commands.cmd_admit,
+    }
+    return commands.get(args.run_command, cmd_run_create)(args)
 
 
 def cmd_run_reroute(args: argparse.Namespace) -> int:

@@ -111,7 +111,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from peer.swarm.reachability import DialBackService
 
     dialback = DialBackService(dht)  # joining peers ask the bootstrap node whether it can dial them
-    keeper = artifacts = None
+    keeper = artifacts = authority_service = None
     dht_lock = threading.Lock()  # the keeper's thread and this one share the DHT handle
     stop = threading.Event()
     install_sigterm(stop.set)
@@ -121,6 +121,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
             keeper = Keeper(dht, key, manifest, record, args.keep_state, args.keep_every_seconds, dht_lock)
             keeper.start()
+        if record is not None and key.get_public_key().to_bytes() == record.creator_public_key:
+            from peer.swarm.authority import start_authority
+
+            # the creator's own node admits keys to its run (invite codes, probation)
+            _, authority_service = start_authority(
+                dht, key, manifest, record, args.manifest_path, dht_lock,
+                keeper.service if keeper is not None else None,
+            )  # fmt: skip
         artifacts = _serve_run_artifacts(dht, manifest, args)
         print("--initial_peers " + " ".join(visible_maddrs(dht)), flush=True)
         while not stop.is_set():
@@ -135,6 +143,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             artifacts.shutdown()
         if keeper is not None:
             keeper.shutdown()
+        if authority_service is not None:
+            authority_service.shutdown()
         dialback.shutdown()
         dht.shutdown()
     return 0

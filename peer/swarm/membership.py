@@ -27,6 +27,8 @@ from peer.model.grid import Path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
+from peer.swarm.admission import save_token
+from peer.swarm.admission import seek as seek_admission
 from peer.swarm.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: how often a peer re-publishes the run manifest it verified (its TTL is longer)
 MANIFEST_REPUBLISH_SECONDS = 60.0
+#: every how many heartbeats a peer on probation in an open run asks the run's authority to admit it
+ADMISSION_SEEK_HEARTBEATS = 4
 
 
 @dataclass
@@ -80,7 +84,9 @@ class Membership:
         record: ManifestRecord,
         progress: Callable[[], Progress],
         device: torch.device,
+        admission: str = "",
     ):
+        """`admission`: this peer's token ("" on probation: the heartbeat asks the run's authority)."""
         self.dht, self.key, self.config = dht, key, config
         self.manifest, self.record = manifest, record
         self.run_name, self.run_id = config.run_name, record.run_id
@@ -108,6 +114,7 @@ class Membership:
         self._keeper_tokens: dict[str, str] = {}
         #: whose votes count, from the tokens in claims (peer/run/admission.py); ours goes in our claim
         self.standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, self._token_of)
+        self.standing.own_token = admission
 
     # --- views ----------------------------------------------------------------------------------
 
@@ -357,8 +364,22 @@ class Membership:
         self._heartbeat = threading.Thread(target=self._beat, args=(metrics,), name="heartbeat", daemon=True)
         self._heartbeat.start()
 
+    def _on_probation(self) -> bool:
+        creator = self.standing.check.creator_peer_id if self.standing.check is not None else None
+        return not self.standing.own_token and self.peer_id != creator and self.ready
+
+    def _seek_admission(self) -> None:
+        """Asks the run's authority to admit us after our probation; on a yes, our claim says so."""
+        with self._lock:
+            token = seek_admission(self.dht, self.manifest, self.record, self.peer_id)
+        if token:
+            self.standing.own_token = token
+            save_token(self.config.checkpoint_dir, token)
+            logger.info("admitted to the run after probation: our reports and confirmations count now")
+            self.publish_claim()
+
     def _beat(self, metrics: PeerMetrics) -> None:
-        last_manifest = last_probe = time.monotonic()
+        last_manifest = last_probe = last_seek = time.monotonic()
         cycle = 0
         next_beat = time.monotonic() + self.config.heartbeat_seconds
         while True:
@@ -390,6 +411,10 @@ class Membership:
                     with self._lock:
                         publish_record(self.dht, self.key, self.record)
                     last_manifest = time.monotonic()
+                seek_every = max(ADMISSION_SEEK_HEARTBEATS * self.config.heartbeat_seconds, 2.0)
+                if self._on_probation() and time.monotonic() - last_seek > seek_every:
+                    self._seek_admission()
+                    last_seek = time.monotonic()
             except Exception as e:  # a heartbeat must never kill the peer
                 logger.warning(f"heartbeat failed: {e}")
 

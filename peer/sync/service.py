@@ -91,7 +91,7 @@ class SyncService:
             writer.close()
 
     async def _dispatch(self, sender: str, reader, writer) -> None:
-        kinds = {Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, *self.extra_handlers}
+        kinds = {Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, *self.extra_handlers}
         kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
         self.bytes_received += len(body) + 5
         try:
@@ -105,6 +105,12 @@ class SyncService:
                 await self._on_echo(sender, wire.parse(wire.Echo, body), reader)
             elif kind == Kind.PART_REQUEST:
                 await self._on_part_request(sender, wire.parse(wire.PartRequest, body), writer)
+                return
+            elif kind == Kind.STANDING:
+                query = wire.parse(wire.StandingQuery, body)
+                self._check_run(query.run)
+                count = self.inbox.accepted.get(query.module, {}).get(query.peer, 0)
+                await self._ack(writer, Ack(ok=True, reason=str(count)))
                 return
             else:
                 await self.extra_handlers[kind](sender, body, reader, writer)

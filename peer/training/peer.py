@@ -41,6 +41,7 @@ from peer.model.grid import parse_path, path_from_index, path_index, path_module
 from peer.model.transformer import PathModel
 from peer.run.rebuild import check_tokenizer
 from peer.seeding import stable_seed
+from peer.swarm.admission import obtain_admission
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.reachability import DialBackService, Reachability, helpers_from
 from peer.swarm.rotation import Rotation
@@ -125,8 +126,9 @@ class Peer:
         self._data_root = check_data(self.manifest, cfg)
         self.artifacts, self.base = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id)
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
+        admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
-            self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device
+            self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device, admission
         )
         self.membership.reachability = self.reachability.state
         self.membership.artifacts = self.artifacts
