@@ -1,5 +1,5 @@
 """What the swarm benchmarks (`byzantine`, `chaos`) share: a small 1x1-grid run on the built-in corpus,
-the peer command line, and the eval loss of a peer's final global copy."""
+the peer command line, and the eval loss of a peer's final global copy (or of a keeper's kept one)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.wan.report import eval_loss
 from peer.checkpoint import load_latest_checkpoint
-from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig
+from peer.config import AdmissionConfig, InnerOptimizerConfig, RunManifest, SyncConfig
 from peer.data.sources import DatasetSpec, eval_documents
 from peer.model.grid import ModelConfig
 from peer.run.create import build_manifest
@@ -27,7 +27,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run_timeout_seconds", type=float, default=300.0)
 
 
-def make_manifest(args: argparse.Namespace, name: str, **sync: object) -> RunManifest:
+def make_manifest(
+    args: argparse.Namespace, name: str, admission: AdmissionConfig | None = None, **sync: object
+) -> RunManifest:
     """One path (a 1x1 grid), so every peer holds every module and averages every round."""
     steps = args.rounds * args.inner_steps
     return build_manifest(
@@ -45,6 +47,7 @@ def make_manifest(args: argparse.Namespace, name: str, **sync: object) -> RunMan
         inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=10, total_steps=steps),
         sync=SyncConfig(**{"inner_steps": args.inner_steps, "averaging_timeout_seconds": 20.0, **sync}),
         router_docs=200,
+        sections={"admission": admission} if admission is not None else None,
     )
 
 
@@ -72,3 +75,31 @@ def final_eval_loss(
     tensors, meta = loaded
     docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
     return eval_loss(manifest, tensors, "global", docs), meta
+
+
+def kept_eval_loss(args: argparse.Namespace, manifest: RunManifest, keep_dir: Path) -> float:
+    """Eval loss of the modules a keeper kept (`--keep_state keep_dir`); inf where it kept none or a
+    state no model may load."""
+    import math
+
+    from peer.model.transformer import PathModel
+    from peer.sync.module_sync import ModuleSync, StateRejected
+
+    model = PathModel(manifest.model, (0,) * manifest.model.n_levels, seed=manifest.seed)
+    tensors = {}
+    for mid in model.module_ids:
+        loaded = load_latest_checkpoint(keep_dir / mid)
+        if loaded is None:
+            return math.inf
+        kept, meta = loaded
+        ms = ModuleSync(manifest.model, mid, model.parts[mid], manifest.outer, manifest.sync.fragments)
+        try:
+            ms.load_state(
+                dict(module=mid, fragment_rounds=meta["fragment_rounds"]),
+                [kept[f"t{i}"] for i in range(len(kept))],
+            )
+        except StateRejected:
+            return math.inf
+        tensors.update(ms.named_state())
+    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
+    return eval_loss(manifest, tensors, "global", docs)

@@ -189,14 +189,15 @@ def _combine(ordered: list[Contribution], config: AggregatorConfig, own: Contrib
 
 def _with_probation(
     core: np.ndarray, admitted: list[Contribution], probation: list[Contribution], config: AggregatorConfig
-) -> np.ndarray:
-    """The admitted result with the parts of members on probation weighed in, FLTrust's way."""
+) -> tuple[np.ndarray, list[str]]:
+    """The admitted result with the parts of members on probation weighed in, FLTrust's way, and the
+    members on probation whose part went in."""
     core_norm = exact_norm(core)
     weights = _capped_weights(admitted, config.weight_cap, None)
     smallest = min(weights)
     acc = np.multiply(core, np.float64(math.fsum(weights)), dtype=np.float64)
     total = [math.fsum(weights)]
-    taken = 0
+    taken = []
     for c in probation:
         norm = exact_norm(c.delta)
         if norm == 0 or core_norm == 0:
@@ -208,15 +209,15 @@ def _with_probation(
         rescaled = np.multiply(c.delta, np.float64(core_norm / norm), dtype=np.float64)
         acc = np.add(acc, np.multiply(rescaled, np.float64(weight)))
         total.append(weight)
-        taken += 1
-    return np.divide(acc, np.float64(math.fsum(total))) if taken else core
+        taken.append(c.peer_id)
+    return (np.divide(acc, np.float64(math.fsum(total))) if taken else core), taken
 
 
-def aggregate(
+def aggregate_with_trust(
     contributions: Sequence[Contribution], config: AggregatorConfig, own: Contribution | None = None
-) -> np.ndarray:
-    """The group's outer gradient (float32), identical on every member given the same inputs. `own`
-    is the receiving member's own part (it sets the caps of a pair); it is not added to the inputs."""
+) -> tuple[np.ndarray, list[str]]:
+    """`aggregate`, and the members whose part went in: every admitted one, and those on probation
+    whose part did not point away from the admitted result (what their probation counts)."""
     if not contributions:
         raise ValueError("nothing to aggregate")
     ordered = sorted(contributions, key=lambda c: c.peer_id)
@@ -226,9 +227,18 @@ def aggregate(
     probation = [c for c in ordered if not c.admitted] if admitted else []
     admitted = admitted or ordered
     core = _combine(admitted, config, own)
+    taken: list[str] = []
     if probation:
-        core = _with_probation(core, admitted, probation, config)
-    return core.astype(np.float32)
+        core, taken = _with_probation(core, admitted, probation, config)
+    return core.astype(np.float32), [c.peer_id for c in admitted] + taken
+
+
+def aggregate(
+    contributions: Sequence[Contribution], config: AggregatorConfig, own: Contribution | None = None
+) -> np.ndarray:
+    """The group's outer gradient (float32), identical on every member given the same inputs. `own`
+    is the receiving member's own part (it sets the caps of a pair); it is not added to the inputs."""
+    return aggregate_with_trust(contributions, config, own)[0]
 
 
 def combine_copies(copies: Sequence[tuple[str, np.ndarray]], iterations: int = 3) -> np.ndarray:

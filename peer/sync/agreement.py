@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from peer.sync import wire
-from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
+from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate_with_trust
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.reports import agreed_senders, majority_state
 from peer.sync.service import SyncService
@@ -88,13 +88,15 @@ def contributions_of(parts: dict[str, Delivery], standing) -> list[Contribution]
 
 
 async def combine(parts: dict[str, Delivery], own: Delivery, standing, config: AggregatorConfig):
-    """The robust aggregate of `parts` (float32 tensor), off the event loop (it costs CPU)."""
+    """The robust aggregate of `parts` (float32 tensor), off the event loop (it costs CPU), and the
+    senders whose part went in (a part on probation pointing away from the admitted result does not)."""
     contributions = contributions_of(parts, standing)
     mine = Contribution(
         own.sender, own.delta.numpy(), own.weight, standing.admitted(own.sender, own.admission)
     )
-    result = await asyncio.get_running_loop().run_in_executor(None, aggregate, contributions, config, mine)
-    return torch.from_numpy(np.ascontiguousarray(result))
+    loop = asyncio.get_running_loop()
+    result, taken = await loop.run_in_executor(None, aggregate_with_trust, contributions, config, mine)
+    return torch.from_numpy(np.ascontiguousarray(result)), taken
 
 
 def copies_verdict(

@@ -309,9 +309,9 @@ class RoundRunner:
             return RoundResult(
                 "alone", own, 1, dropped=dropped, detail="no part a majority of voters agreed on"
             )
-        aggregated = await combine(parts, mine, standing, self.settings.aggregator)
+        aggregated, taken = await combine(parts, mine, standing, self.settings.aggregator)
         inbox.keep_parts(key, parts)
-        inbox.note_accepted(key[0], sorted(parts))
+        inbox.note_accepted(key[0], taken)  # what an authority asks when it weighs a key's probation
         repair, merge_with = copies_verdict(honest, voters, self.me, state_digest)
         unfetched = sorted(set(agreed) - set(parts))
         if unfetched:
