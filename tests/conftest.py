@@ -1,8 +1,15 @@
-"""Shared fixtures: real hivemind DHT nodes on loopback, always shut down."""
+"""Shared fixtures: real hivemind DHT nodes on loopback, always shut down; and the test tiers.
+
+A test that starts a process (a DHT node, a `pathswarm` command, p2pd, Prometheus, a container) is
+marked `swarm`, so that `pytest -m "not swarm"` is the quick loop of a developer (minutes). The mark
+is enforced: a test that starts a process without it fails, naming the mark to add.
+"""
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +18,42 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from dht.node import start_dht  # noqa: E402
+
+#: processes started since the current test began (subprocesses and multiprocessing children)
+_started: list[str] = []
+
+
+def _counting(start, what: str):
+    def wrapper(self, *args, **kwargs):
+        _started.append(what)
+        return start(self, *args, **kwargs)
+
+    return wrapper
+
+
+subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__, "a subprocess")
+multiprocessing.process.BaseProcess.start = _counting(
+    multiprocessing.process.BaseProcess.start, "a child process"
+)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "swarm: starts processes or swarms (the slow tier: -m 'not swarm' skips it)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_swarm_mark(request) -> Iterator[None]:
+    """Fails a test that started a process without being marked `swarm` (after it ran)."""
+    _started.clear()
+    yield
+    if _started and request.node.get_closest_marker("swarm") is None:
+        pytest.fail(
+            f"{request.node.nodeid} started {_started[0]} but is not marked swarm: add "
+            "@pytest.mark.swarm (or pytestmark = pytest.mark.swarm in its file)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

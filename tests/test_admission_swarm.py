@@ -17,7 +17,7 @@ from peer.run.record import load_record
 from peer.swarm.admission import TOKEN_FILE
 from tests.swarm_harness import final_state, peer_args, wait_for, write_manifest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
 def _creator(tmp_path):
@@ -79,7 +79,8 @@ def test_an_open_runs_authority_admits_peers_after_their_probation(tmp_path):
         for name in ("a", "b", "c"):
             swarm.start_peer(
                 # long enough to be admitted whatever the machine's speed: the swarm stops them after
-                name, peer_args(run_id, tmp_path / name, "--max_rounds", "400", "--wait_for_peers", "3")
+                name,
+                peer_args(run_id, tmp_path / name, "--max_rounds", "400", "--wait_for_peers", "3"),
             )
         admitted = lambda: all((tmp_path / n / TOKEN_FILE).is_file() for n in ("a", "b", "c"))  # noqa: E731
         wait_for(admitted, 240, "every peer admitted after its probation", swarm)

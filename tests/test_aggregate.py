@@ -55,16 +55,24 @@ def test_the_median_aggregator_is_the_coordinate_median():
     assert np.allclose(result, np.median(np.stack(parts), axis=0), atol=1e-6)
 
 
-def test_a_pairs_caps_are_the_receivers_own_so_the_other_cannot_set_them():
+def test_neither_member_of_a_pair_can_scale_outweigh_or_reverse_the_others_update():
     mine, theirs = _parts(2, seed=4)
-    theirs = theirs * 100
-    config = AggregatorConfig(method="centered_clip")  # two members: clipped_mean
-    contributions = _contributions([mine, theirs], weights=[1.0, 1e6])
-    result = aggregate(contributions, config, own=contributions[0])
-    # weight at most 2x ours, norm at most 2x ours: the result is at most 5/3 of our own norm
-    assert exact_norm(result) <= 5 / 3 * exact_norm(mine) * 1.0001
-    # the pair's median would have let the other member set both caps
-    assert exact_norm(aggregate(contributions, config)) > 30 * exact_norm(mine)
+    config = AggregatorConfig(method="centered_clip")  # two members: the pair rule
+    for forged in (theirs * 100, -theirs * 100, -mine * 1000):
+        result = aggregate(_contributions([mine, forged], weights=[1.0, 1e6]), config)
+        # clipped to the smaller norm, weighed alike: never longer than ours, never against it
+        assert exact_norm(result) <= exact_norm(mine) * 1.0001
+        assert float(np.dot(result.astype(np.float64), mine)) >= -1e-6 * exact_norm(mine) ** 2  # rounding
+    # an honest pair computes the same bits whichever member it is (the rule is symmetric)
+    assert np.array_equal(
+        aggregate(_contributions([mine, theirs]), config),
+        aggregate(_contributions([mine, theirs])[::-1], config),
+    )
+    # the plain mean is what the other member could have set
+    plain = aggregate(
+        _contributions([mine, -mine * 1000], weights=[1.0, 1e6]), AggregatorConfig(method="mean")
+    )
+    assert float(np.dot(plain.astype(np.float64), mine)) < 0
 
 
 def test_parts_on_probation_are_weighed_against_the_admitted_aggregate():

@@ -16,7 +16,7 @@ from tests.swarm_harness import RUN
 
 RUN_ID = "ab" * 32
 CHUNK = 64 * 1024
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

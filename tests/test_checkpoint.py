@@ -117,6 +117,7 @@ print("saved 2", flush=True)
 
 
 @pytest.mark.parametrize("point", ["checkpoint.after_tensors", "checkpoint.before_manifest"])
+@pytest.mark.swarm
 def test_killed_during_write(tmp_path, point):
     # @2: the first save completes, the second is killed at the point.
     env = {**os.environ, ENV_VAR: f"{point}@2=kill", "PYTHONPATH": str(REPO)}

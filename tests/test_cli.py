@@ -44,6 +44,7 @@ def error_lines(stderr: str) -> list[str]:
         ),
     ],
 )
+@pytest.mark.swarm
 def test_bad_flags_fail_with_one_line(args, fragment):
     code, stderr, _ = run_cli(*args)
     assert code == 2
@@ -51,6 +52,7 @@ def test_bad_flags_fail_with_one_line(args, fragment):
     assert len(lines) == 1 and fragment in lines[0], stderr
 
 
+@pytest.mark.swarm
 def test_unreachable_bootstrap_fails_within_seconds():
     code, stderr, seconds = run_cli(
         "peer", "--run", "demo", "--initial_peers", DEAD_PEER, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"
@@ -72,6 +74,7 @@ def test_config_layers_file_env_cli(tmp_path, monkeypatch):
     assert config.initial_peers == ["/ip4/1.2.3.4/tcp/1"]
 
 
+@pytest.mark.swarm
 def test_malformed_config_file_is_one_line(tmp_path):
     bad = tmp_path / "peer.toml"
     bad.write_text("run = [unterminated\n")
@@ -157,6 +160,7 @@ def test_a_runs_data_files_cannot_leave_data_root(tmp_path):
             local_files(DatasetSpec(kind="text", data_files=[pattern]), root)
 
 
+@pytest.mark.swarm
 def test_a_second_peer_on_a_checkpoint_dir_in_use_refuses_with_one_line(tmp_path):
     from peer.checkpoint import CheckpointDirLock
 

@@ -103,6 +103,7 @@ def test_corpus_shape_and_domains():
     assert any(ord(c) > 127 for c in by["lingua"]) and not any(ord(c) > 127 for c in by["prose"] + by["code"])
 
 
+@pytest.mark.swarm
 def test_corpus_identical_across_processes(tmp_path):
     code = (
         "import hashlib, sys; from peer.data.corpus import write_corpus; "
@@ -195,6 +196,7 @@ def test_missing_files_error(tmp_path):
         load_documents(spec)
 
 
+@pytest.mark.swarm
 def test_split_of_deterministic():
     spec = DatasetSpec(eval_fraction=0.1)
     texts = [d["text"] for d in generate_documents(1000, 0)]

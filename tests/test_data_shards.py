@@ -21,6 +21,8 @@ from peer.run.record import load_verified_manifest
 from tests.swarm_harness import wait_for
 from tests.test_data import _train_file_tokenizer
 
+pytestmark = pytest.mark.swarm
+
 REPO = Path(__file__).resolve().parent.parent
 
 TOPICS = ("rivers carry silt to the sea", "a compiler turns source into code", "bread rises with yeast")

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.swarm
+
 
 @pytest.mark.timeout(450)
 def test_demo_trains_and_holders_agree(tmp_path):

@@ -19,6 +19,8 @@ from peer.run.record import sign_manifest, verify_record
 from peer.swarm.claims import choose_path, live_claims, publish_claim, should_move
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 
+pytestmark = pytest.mark.swarm
+
 RUN = "testrun"
 RUN_ID = "ab" * 32
 

@@ -13,6 +13,7 @@ HEARTBEAT = 2.0
 
 
 @pytest.mark.timeout(170)
+@pytest.mark.swarm
 def test_views_converge_and_a_leaving_node_vanishes_long_before_a_killed_one(tmp_path):
     r = run_size(6, tmp_path, heartbeat=HEARTBEAT, steady_seconds=6.0, departures=1)
     assert r["nodes"] == 6 and r["client_nodes"] == 1

@@ -23,6 +23,8 @@ from peer.cli.local_swarm import LocalSwarm
 from peer.swarm.claims import live_claims
 from tests.swarm_harness import RUN, logs_of, wait_for, write_manifest
 
+pytestmark = pytest.mark.swarm
+
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "localhost/pathswarm:test"
 BASE_IMAGE = "docker.io/library/python:3.11-slim"

@@ -111,6 +111,7 @@ def test_stall(monkeypatch):
     assert time.monotonic() - start >= 0.2
 
 
+@pytest.mark.swarm
 def test_kill_in_subprocess():
     code = (
         "from peer.faults import fault_point\n"

@@ -38,6 +38,8 @@ from tests.swarm_harness import (
     write_manifest,
 )
 
+pytestmark = pytest.mark.swarm
+
 TIMEOUT = 6.0  # the runs' averaging timeout in these tests
 REPORT = 2.0
 

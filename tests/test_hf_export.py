@@ -21,6 +21,8 @@ from peer.offline.inference import generate
 from tests.test_cli_model import build_trained_run
 from tests.test_data import _train_file_tokenizer
 
+pytestmark = pytest.mark.swarm
+
 transformers = pytest.importorskip(
     "transformers",
     reason="transformers is a dev dependency (pip install -e '.[dev]'); the hf export test needs it",

@@ -18,6 +18,8 @@ from peer.run.memory import check_path_fits, estimate_path_memory
 from peer.run.record import load_verified_manifest
 from tests.swarm_harness import RUN, write_manifest
 
+pytestmark = pytest.mark.swarm
+
 # A well-formed peer id nobody uses.
 NOBODY = "12D3KooWHfCtvv1gqbmabwi5t3oxoBJbyV2qjrUqV8SjegRnavq2"
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

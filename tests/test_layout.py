@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("peer", "dht", "monitoring")
 
@@ -105,6 +107,7 @@ def test_no_module_imports_in_a_circle():
             visit(node)
 
 
+@pytest.mark.swarm
 def test_config_tree_and_cli_load_without_torch():
     code = (
         "import sys, peer.config, peer.model.grid, peer.codecs.specs, peer.cli.main\n"

@@ -4,11 +4,14 @@ serves a copy other than the one it reported is left out."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import state_digest
 from tests.sync_members import MODULE, sync_group
+
+pytestmark = pytest.mark.swarm
 
 NUMEL = 3001
 
@@ -73,3 +76,13 @@ def test_a_member_serving_another_copy_than_it_reported_is_left_out_of_the_merge
         assert used == honest_ids
         assert torch.allclose(theta, (copies[0][0] + copies[1][0]) / 2, atol=1e-6)
     assert torch.equal(results[0][0][0], results[1][0][0])
+
+
+def test_a_copy_holding_values_no_state_may_have_is_left_out_of_a_pairs_merge(dht_factory):
+    copies = _copies(2, seed=3)
+    copies[1] = (torch.full_like(copies[1][0], 1e37), copies[1][1])  # finite, and far past any state
+    with sync_group(dht_factory, 2, 1) as members:
+        results = _merge_everywhere(members, copies)
+    (theta, momentum), used = results[0]
+    assert used == [members[0].peer_id]  # the honest member keeps its own copy, unmoved
+    assert torch.equal(theta, copies[0][0]) and torch.equal(momentum, copies[0][1])

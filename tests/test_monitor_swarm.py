@@ -34,9 +34,10 @@ VARIABLES = {"$peer_id": ".+", "$instance": ".+"}
 
 prometheus = shutil.which("prometheus")
 chromium = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(
-    prometheus is None, reason="prometheus not installed (Debian package `prometheus`)"
-)
+pytestmark = [
+    pytest.mark.swarm,
+    pytest.mark.skipif(prometheus is None, reason="prometheus not installed (Debian package `prometheus`)"),
+]
 
 
 def free_port() -> int:

@@ -110,6 +110,7 @@ def test_per_peer_series_are_capped_and_the_rest_counted():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.swarm
 def test_metric_names_pass_promtool_lint():
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -132,6 +133,7 @@ def test_metric_names_pass_promtool_lint():
         (["--run", "r", "--max_peer_series", "-1"], "--max_peer_series"),
     ],
 )
+@pytest.mark.swarm
 def test_bad_monitor_flags_fail_in_one_line_before_joining(flags, says):
     import sys
 

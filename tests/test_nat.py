@@ -28,6 +28,8 @@ import pytest
 from peer.swarm.reachability import helpers_from, relay_of, tcp_endpoint
 from tests.swarm_harness import RUN, write_manifest
 
+pytestmark = pytest.mark.swarm
+
 REPO = Path(__file__).resolve().parent.parent
 PUB_IP = "11.77.1.2"
 #: fixed ports are safe: each namespace has its own port space

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from monitoring.metrics import PeerMetrics
@@ -17,6 +18,8 @@ from peer.model.transformer import PathModel
 from peer.sync.module_sync import ModuleSync, state_digest
 from peer.sync.outer import StreamingOuter
 from tests.sync_members import advance, sync_group
+
+pytestmark = pytest.mark.swarm
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 OUTER = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)

@@ -27,6 +27,7 @@ def alert_names() -> set[str]:
 
 @needs_promtool
 @pytest.mark.timeout(60)
+@pytest.mark.swarm
 def test_scrape_config_and_rules_are_valid():
     result = subprocess.run([promtool, "check", "config", str(PROMETHEUS / "prometheus.yml")],
                             capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -35,6 +36,7 @@ def test_scrape_config_and_rules_are_valid():
 
 @needs_promtool
 @pytest.mark.timeout(60)
+@pytest.mark.swarm
 def test_every_alert_fires_as_its_unit_test_says():
     result = subprocess.run([promtool, "test", "rules", str(UNIT_TESTS)], capture_output=True, text=True,
                             timeout=30, cwd=UNIT_TESTS.parent)  # fmt: skip

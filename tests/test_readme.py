@@ -16,6 +16,8 @@ from peer.cli.local_swarm import LocalSwarm
 from peer.data.corpus import write_corpus
 from peer.run.record import load_record
 
+pytestmark = pytest.mark.swarm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

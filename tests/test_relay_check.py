@@ -9,6 +9,7 @@ from dht import relay_check
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.swarm
 def test_a_bootstrap_style_daemon_relays_transfers_beyond_the_default_relay_limit(monkeypatch):
     """On one Go thread and declared public (as `pathswarm bootstrap` runs p2pd), every start serves
     the configured relay: a 512 KiB reply, four times go-libp2p's default limit, arrives whole."""
@@ -25,6 +26,7 @@ def test_a_bootstrap_style_daemon_relays_transfers_beyond_the_default_relay_limi
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.swarm
 def test_a_node_that_relays_only_with_the_default_limits_is_restarted_and_then_warns(caplog):
     """Not declared public, p2pd never starts its configured relay service within seconds (AutoNAT
     waits 15 s before it asks anyone), so only the default-limited handler serves: each start is

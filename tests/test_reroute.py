@@ -32,6 +32,8 @@ from peer.run.router_versions import (
 )
 from tests.swarm_harness import wait_for
 
+pytestmark = pytest.mark.swarm
+
 REPO = Path(__file__).resolve().parent.parent
 
 

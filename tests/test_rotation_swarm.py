@@ -22,6 +22,8 @@ from tests.swarm_harness import (
     write_manifest,
 )
 
+pytestmark = pytest.mark.swarm
+
 ROUNDS = 9
 ROTATE_EVERY = 3
 

@@ -16,6 +16,8 @@ from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
 
+pytestmark = pytest.mark.swarm
+
 NUMEL = 6077
 
 

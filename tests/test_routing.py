@@ -135,6 +135,7 @@ def test_product_kmeans_indices_and_radix():
     assert sorted({path_index(cfg, p) for p in all_paths(cfg)}) == list(range(cfg.n_paths))
 
 
+@pytest.mark.swarm
 def test_routing_identical_across_processes():
     outs = [
         json.loads(

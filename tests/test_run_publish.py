@@ -14,6 +14,8 @@ from peer.cli.local_swarm import LocalSwarm
 from peer.swarm.manifest import fetch_manifest
 from tests.test_cli import DEAD_PEER, error_lines
 
+pytestmark = pytest.mark.swarm
+
 CREATE = ["run", "create", "--name", "published", "--grid", "1x1", "--preset", "tiny"]
 
 

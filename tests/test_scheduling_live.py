@@ -19,6 +19,8 @@ from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
 
+pytestmark = pytest.mark.swarm
+
 RUN = "plantest"
 
 

@@ -23,6 +23,8 @@ from peer.sync.state_transfer import StateHistory, confirmed, digests_of, instal
 from peer.sync.wire import Kind
 from tests.sync_members import CREATOR, MODULE, RUN_ID
 
+pytestmark = pytest.mark.swarm
+
 NUMELS = [1000, 1000]  # one fragment: θ̄, then its momentum
 ROUNDS = [7]
 

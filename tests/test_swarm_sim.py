@@ -9,6 +9,8 @@ import pytest
 from benchmarks.swarm_sim import SwarmSim, simulate
 from peer.model.grid import ModelConfig
 
+pytestmark = pytest.mark.swarm
+
 GRID = ModelConfig(n_levels=2, modules_per_level=8)  # 64 paths: 200 peers hold about 3 each
 
 

@@ -22,6 +22,8 @@ from peer.run.rebuild import router_of
 from peer.run.record import load_verified_manifest
 from tests.swarm_harness import downloaded_state, wait_for
 
+pytestmark = pytest.mark.swarm
+
 REPO = Path(__file__).resolve().parent.parent
 
 

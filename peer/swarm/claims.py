@@ -104,3 +104,15 @@ def should_move(cfg: ModelConfig, claims: dict[str, ClaimRecord], peer_id: str, 
     if max(sharers, key=lambda pid: stable_seed(pid, my_path)) != peer_id:
         return None
     return min(empty, key=lambda p: stable_seed(peer_id, p))
+
+
+def last_held(modules: list[str], holders: dict[str, list[str]], me: str, standing) -> list[str]:
+    """Those of `modules` that no holder with standing but `me` holds (`holders`: module -> holders,
+    from the claim view): we are their last holder and hand them to a keeper before we go. A claim
+    of a key without standing does not count where admitted holders exist (a sybil listing every
+    module must not spare the real last holder the hand-over)."""
+
+    def others(module: str) -> list[str]:
+        return [p for p in standing.trusted({*holders.get(module, []), me}) if p != me]
+
+    return [m for m in modules if not others(m)]

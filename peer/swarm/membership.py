@@ -29,7 +29,14 @@ from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
 from peer.swarm.admission import save_token
 from peer.swarm.admission import seek as seek_admission
-from peer.swarm.claims import ClaimView, choose_path, holders_by_module, publish_claim, should_move
+from peer.swarm.claims import (
+    ClaimView,
+    choose_path,
+    holders_by_module,
+    last_held,
+    publish_claim,
+    should_move,
+)
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
@@ -158,18 +165,10 @@ class Membership:
         return claim.admission if claim is not None else self._keeper_tokens.get(peer, "")
 
     def modules_only_we_hold(self, modules: list[str] | None = None) -> list[str]:
-        """Modules of our path (or `modules` of it) no other ready peer with standing holds (we are
-        their last holder): a claim of a key without admission listing a module does not spare us
-        handing it over where we hold standing."""
-        holders = holders_by_module(self.claims)
+        """Modules of our path (or `modules` of it) no other ready peer with standing holds: we are
+        their last holder (`claims.last_held`)."""
         ours = path_module_ids(self.manifest.model, self.path) if modules is None else modules
-        return [
-            m
-            for m in ours
-            if not [
-                p for p in self.standing.trusted({*holders.get(m, []), self.peer_id}) if p != self.peer_id
-            ]
-        ]
+        return last_held(ours, holders_by_module(self.claims), self.peer_id, self.standing)
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""

@@ -21,9 +21,12 @@ Aggregators (the run's `sync.aggregator`):
   iterations, τ = the median distance of the inputs from the start; a member far from the others
   moves the result by at most τ·wᵢ/Σw.
 
-With fewer than three members nobody can be outvoted: the robust methods fall back to
-`clipped_mean` there, and its caps come from the receiving member's own part (`own`), not from the
-pair: the median of two is their mean, which the other member sets alone.
+With fewer than three members nobody can be outvoted, and the median of two is their mean, which
+either member sets alone: a pair's two parts are weighed equally and each is clipped to the smaller
+of their norms (`_pair`), so neither can scale, outweigh or reverse the other's update — the worst
+one member can do is cancel it. The rule is symmetric, so an honest pair still computes the same
+bits (caps from each receiver's own part, which the threat model first asked for, would leave two
+honest members of different speeds with different copies every round).
 
 Standing (peer/run/admission.py): the methods above combine the parts of admitted members. A part of
 a member still on probation is weighed against that result as FLTrust weighs a client's update
@@ -91,35 +94,26 @@ def exact_dot(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.add.accumulate(products.reshape(-1))[-1])
 
 
-def _reference(values: list[float], own: float | None) -> float:
-    """What a cap is a multiple of: the group's median, or with two members the receiver's own value
-    (the median of two is their mean, which either of them sets alone)."""
-    if len(values) == 2 and own is not None:
-        return own
-    return statistics.median(values)
-
-
-def _capped_weights(contributions: Sequence[Contribution], cap: float | None, own: Contribution | None):
+def _capped_weights(contributions: Sequence[Contribution], cap: float | None) -> list[float]:
     weights = [float(c.weight) for c in contributions]
     if cap is not None and len(weights) > 1:
-        limit = cap * _reference(weights, None if own is None else float(own.weight))
+        limit = cap * statistics.median(weights)
         weights = [min(w, limit) for w in weights]
     return weights
 
 
-def _weights(contributions: Sequence[Contribution], cap: float | None, own: Contribution | None = None):
-    weights = _capped_weights(contributions, cap, own)
+def _weights(contributions: Sequence[Contribution], cap: float | None) -> list[float]:
+    weights = _capped_weights(contributions, cap)
     total = math.fsum(weights)
     return [w / total for w in weights]
 
 
-def _clip_norms(contributions: Sequence[Contribution], cap: float, own: Contribution | None = None):
-    """Each input scaled down to at most `cap` × the median input norm (identical everywhere), or
-    with two members × the receiver's own norm."""
+def _clip_norms(contributions: Sequence[Contribution], cap: float) -> list[np.ndarray]:
+    """Each input scaled down to at most `cap` × the median input norm (identical everywhere)."""
     norms = [exact_norm(c.delta) for c in contributions]
     if len(norms) < 2:
         return [c.delta for c in contributions]
-    limit = cap * _reference(norms, None if own is None else exact_norm(own.delta))
+    limit = cap * statistics.median(norms)
     out = []
     for c, norm in zip(contributions, norms, strict=True):
         factor = 1.0 if norm <= limit or norm == 0 else limit / norm
@@ -168,22 +162,33 @@ def _median(inputs: Sequence[np.ndarray]) -> np.ndarray:
     return np.multiply(np.add(ordered[(n - 1) // 2], ordered[n // 2]), np.float64(0.5))
 
 
-def _combine(ordered: list[Contribution], config: AggregatorConfig, own: Contribution | None) -> np.ndarray:
+def _pair(ordered: list[Contribution]) -> np.ndarray:
+    """Two parts, weighed equally, each clipped to the smaller of their norms: ⟨result, either part⟩
+    is never negative, so neither member can reverse (or scale, or outweigh) the other's update."""
+    norms = [exact_norm(c.delta) for c in ordered]
+    limit = min(norms)
+    scaled = [
+        c.delta if norm <= limit or norm == 0 else np.multiply(c.delta, np.float32(limit / norm))
+        for c, norm in zip(ordered, norms, strict=True)
+    ]
+    return _weighted_sum(scaled, [0.5, 0.5])
+
+
+def _combine(ordered: list[Contribution], config: AggregatorConfig) -> np.ndarray:
     method = config.method
-    if len(ordered) < 3 and method in ("trimmed_mean", "median", "centered_clip"):
-        method = "clipped_mean"  # two members cannot outvote each other: bound them, then average
-    own = own if own is not None and any(c.peer_id == own.peer_id for c in ordered) else None
     if method == "mean":
         return _weighted_sum([c.delta for c in ordered], _weights(ordered, None))
-    clipped = _clip_norms(ordered, config.norm_cap, own)
+    if len(ordered) == 2:
+        return _pair(ordered)  # two members cannot outvote each other
+    clipped = _clip_norms(ordered, config.norm_cap)
     if method == "clipped_mean":
-        return _weighted_sum(clipped, _weights(ordered, config.weight_cap, own))
+        return _weighted_sum(clipped, _weights(ordered, config.weight_cap))
     if method == "trimmed_mean":
         return _trimmed_mean(clipped, config.trim_fraction)
     if method == "median":
         return _median(clipped)
     if method == "centered_clip":
-        return _centered_clip(clipped, _weights(ordered, config.weight_cap, own), config.iterations)
+        return _centered_clip(clipped, _weights(ordered, config.weight_cap), config.iterations)
     raise ValueError(f"unknown aggregator {method!r}; choose one of {', '.join(AGGREGATORS)}")
 
 
@@ -193,7 +198,7 @@ def _with_probation(
     """The admitted result with the parts of members on probation weighed in, FLTrust's way, and the
     members on probation whose part went in."""
     core_norm = exact_norm(core)
-    weights = _capped_weights(admitted, config.weight_cap, None)
+    weights = _capped_weights(admitted, config.weight_cap)
     smallest = min(weights)
     acc = np.multiply(core, np.float64(math.fsum(weights)), dtype=np.float64)
     total = [math.fsum(weights)]
@@ -214,7 +219,7 @@ def _with_probation(
 
 
 def aggregate_with_trust(
-    contributions: Sequence[Contribution], config: AggregatorConfig, own: Contribution | None = None
+    contributions: Sequence[Contribution], config: AggregatorConfig
 ) -> tuple[np.ndarray, list[str]]:
     """`aggregate`, and the members whose part went in: every admitted one, and those on probation
     whose part did not point away from the admitted result (what their probation counts)."""
@@ -226,19 +231,16 @@ def aggregate_with_trust(
     admitted = [c for c in ordered if c.admitted]
     probation = [c for c in ordered if not c.admitted] if admitted else []
     admitted = admitted or ordered
-    core = _combine(admitted, config, own)
+    core = _combine(admitted, config)
     taken: list[str] = []
     if probation:
         core, taken = _with_probation(core, admitted, probation, config)
     return core.astype(np.float32), [c.peer_id for c in admitted] + taken
 
 
-def aggregate(
-    contributions: Sequence[Contribution], config: AggregatorConfig, own: Contribution | None = None
-) -> np.ndarray:
-    """The group's outer gradient (float32), identical on every member given the same inputs. `own`
-    is the receiving member's own part (it sets the caps of a pair); it is not added to the inputs."""
-    return aggregate_with_trust(contributions, config, own)[0]
+def aggregate(contributions: Sequence[Contribution], config: AggregatorConfig) -> np.ndarray:
+    """The group's outer gradient (float32), identical on every member given the same inputs."""
+    return aggregate_with_trust(contributions, config)[0]
 
 
 def combine_copies(copies: Sequence[tuple[str, np.ndarray]], iterations: int = 3) -> np.ndarray:

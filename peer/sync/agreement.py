@@ -87,15 +87,12 @@ def contributions_of(parts: dict[str, Delivery], standing) -> list[Contribution]
     ]
 
 
-async def combine(parts: dict[str, Delivery], own: Delivery, standing, config: AggregatorConfig):
+async def combine(parts: dict[str, Delivery], standing, config: AggregatorConfig):
     """The robust aggregate of `parts` (float32 tensor), off the event loop (it costs CPU), and the
     senders whose part went in (a part on probation pointing away from the admitted result does not)."""
     contributions = contributions_of(parts, standing)
-    mine = Contribution(
-        own.sender, own.delta.numpy(), own.weight, standing.admitted(own.sender, own.admission)
-    )
     loop = asyncio.get_running_loop()
-    result, taken = await loop.run_in_executor(None, aggregate_with_trust, contributions, config, mine)
+    result, taken = await loop.run_in_executor(None, aggregate_with_trust, contributions, config)
     return torch.from_numpy(np.ascontiguousarray(result)), taken
 
 

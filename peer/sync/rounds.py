@@ -156,7 +156,8 @@ class RoundRunner:
         if not others:
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         failed: dict[str, str] = {}
-        sends = await self._gather(key, own, weight, payload, token, others, failed)
+        took: set[str] = set()  # members that accepted our Δ: they are at this round too
+        sends = await self._gather(key, own, weight, payload, token, others, failed, took)
         slot = inbox.slot(key)
         logger.debug(f"{key}: gathered {sorted(slot.deliveries)} of {others}, failed {failed}")
         for m, why in slot.refused.items():
@@ -166,9 +167,9 @@ class RoundRunner:
         # our sends go on until their own deadlines: a member that is late still needs our Δ and
         # report to agree with us (cancelling a report that crossed its twin loses it)
         self._keep(sends)
-        return await self._decide(key, own, mine, members, state_digest, failed)
+        return await self._decide(key, own, members, state_digest, failed, took)
 
-    async def _gather(self, key, own, weight, payload, token, others, failed) -> list[asyncio.Task]:
+    async def _gather(self, key, own, weight, payload, token, others, failed, took) -> list[asyncio.Task]:
         """Sends our Δ to every other member and waits for theirs (or their absence)."""
         loop = asyncio.get_running_loop()
         inbox = self.service.inbox
@@ -179,13 +180,14 @@ class RoundRunner:
         )  # fmt: skip
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
         deadline = loop.time() + self.settings.averaging_timeout_seconds
-        sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key)) for m in others]
+        sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
         def gathered(slot) -> bool:
             for sender in slot.deliveries:
                 if sender != self.me and sender not in others:  # joined while we gather: send it ours
                     others.append(sender)
-                    sends.append(asyncio.create_task(self._send(sender, frames, deadline, failed, key)))
+                    send = self._send(sender, frames, deadline, failed, key, took=took)
+                    sends.append(asyncio.create_task(send))
             for m in others:
                 # a member whose claim went (it announced it is leaving, or its claim expired) after
                 # it took our Δ will not send its own: waiting for it would hold the round, and our
@@ -238,7 +240,16 @@ class RoundRunner:
         except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
             logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")
 
-    async def _send(self, member: str, frames, deadline: float, failed: dict, key: Key, inbox=True) -> None:
+    async def _send(
+        self,
+        member: str,
+        frames,
+        deadline: float,
+        failed: dict,
+        key: Key,
+        inbox=True,
+        took: set | None = None,
+    ) -> None:
         """Delivers `frames` to `member` before `deadline`. A member that refuses because the round is
         ahead of its own (it is behind us, fetching state) or because it does not know us as a holder
         yet is offered the frames again until the deadline. One that refuses because the round is
@@ -252,6 +263,8 @@ class RoundRunner:
                 failed[member] = f"unreachable ({type(e).__name__})"
                 break
             if ack.ok:
+                if took is not None:
+                    took.add(member)
                 break
             # "ahead": the member is behind and catching up; "not_holder": its claim view has not seen
             # our claim yet (it refreshes every heartbeat): both will take our Δ in a moment
@@ -264,20 +277,20 @@ class RoundRunner:
         if inbox:
             self.service.inbox.slot(key).changed.set()
 
-    def _behind(self, others: list[str], failed: dict[str, str]) -> list[str]:
-        """The members past this round, if a strict majority of the members with standing say so
-        (one key answering "stale" to everything is left out of the round, not followed)."""
+    def _behind(self, failed: dict[str, str], took: set[str]) -> list[str]:
+        """The members past this round, if more members with standing say so than took our Δ (which
+        says they are at this round): one key answering "stale" to everything is left out of the
+        round, not followed, and members that did not answer at all decide nothing."""
         ahead = sorted(m for m, why in failed.items() if why == "ahead")
         if not ahead:
             return []
-        voters = self.service.inbox.standing.trusted(others)
-        return ahead if 2 * len(set(ahead) & set(voters)) > len(voters) else []
+        voters = set(self.service.inbox.standing.trusted([*ahead, *took]))
+        return ahead if len(voters & set(ahead)) > len(voters & took) else []
 
-    async def _decide(self, key, own, mine: Delivery, members, state_digest, failed) -> RoundResult:
+    async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:
         inbox = self.service.inbox
         standing = inbox.standing
-        others = [m for m in members if m != self.me]
-        ahead = self._behind(others, failed)
+        ahead = self._behind(failed, took)
         if ahead:  # others finished this round without us: catch up rather than go on alone
             detail = f"{len(ahead)} members are past this round"
             return RoundResult("behind", own, 1, members=[self.me], ahead=ahead, detail=detail)
@@ -309,7 +322,7 @@ class RoundRunner:
             return RoundResult(
                 "alone", own, 1, dropped=dropped, detail="no part a majority of voters agreed on"
             )
-        aggregated, taken = await combine(parts, mine, standing, self.settings.aggregator)
+        aggregated, taken = await combine(parts, standing, self.settings.aggregator)
         inbox.keep_parts(key, parts)
         inbox.note_accepted(key[0], taken)  # what an authority asks when it weighs a key's probation
         repair, merge_with = copies_verdict(honest, voters, self.me, state_digest)
