@@ -61,6 +61,8 @@ def test_a_keeper_keeps_a_leaving_holders_state_only_from_a_holder_with_standing
         honest = [torch.randn(n, generator=gen) for n in numels]
         poison = [torch.full((n,), 12345.0) for n in numels]
 
+        nodes = {}
+
         def holder(tensors, admitted: bool, rounds: list[int]):
             node, key = dht_factory()
             peer = str(node.peer_id)
@@ -68,8 +70,12 @@ def test_a_keeper_keeps_a_leaving_holders_state_only_from_a_holder_with_standing
             claim_modules = ["trunk", "l0m0"]
             from dht.schema import ClaimRecord
 
-            claim = ClaimRecord(peer_id=peer, path=0, modules=claim_modules, admission=token)
+            claim = ClaimRecord(
+                peer_id=peer, path=0, modules=claim_modules, admission=token,
+                module_rounds={"trunk": rounds, "l0m0": rounds},
+            )  # fmt: skip
             assert publish_claim(node, key, manifest.name, record.run_id, claim)
+            nodes[peer] = (node, key, claim)
             inbox = Inbox({}, make_codec("fp32"), lambda p, m: False, 1, 0.0)
             service = SyncService(node, record.run_id, inbox, 30, key=key)
             history = StateHistory()
@@ -95,6 +101,16 @@ def test_a_keeper_keeps_a_leaving_holders_state_only_from_a_holder_with_standing
         assert keep(admitted)  # the module's only holder with standing: kept unconfirmed
         rounds, kept = keeper.states["trunk"]
         assert rounds == [5] and all(torch.equal(a, b) for a, b in zip(kept, honest, strict=True))
+        # the admitted holder leaves: the strangers outlasting it gain nothing by it
+        node, key, claim = nodes[admitted.peer_id]
+        assert publish_claim(
+            node, key, manifest.name, record.run_id, claim.model_copy(update={"leaving": True})
+        )
+        keeper._read_claims()
+        assert admitted.peer_id not in keeper.claims
+        assert not keep(poisoner)
+        keeper.refresh()  # the poisoner claims rounds a million ahead of what is kept
+        assert keeper.states["trunk"][0] == [5]
     finally:
         for s in services:
             s.shutdown()

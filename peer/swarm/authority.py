@@ -181,7 +181,7 @@ class AdmissionAuthority:
         asks = []
         for module in claim.modules:
             holders = [p for p, c in claims.items() if module in c.modules and p != sender]
-            asks += [ask(h, module) for h in standing.trusted(holders)]
+            asks += [ask(h, module) for h in standing.among(holders)]
         await asyncio.gather(*asks)
         return sum(count >= k for count in best.values()), len(best)
 
@@ -212,7 +212,7 @@ def start_authority(
 
     own = None
     if service is None:
-        standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, token_of)
+        standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, token_of, str(dht.peer_id))
         inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0, standing)
         service = own = SyncService(
             dht, record.run_id, inbox, manifest.sync.averaging_timeout_seconds, key=key

@@ -104,7 +104,9 @@ class Keeper:
         self._dht_lock = dht_lock or threading.Lock()
         self._stop = threading.Event()
         self._load()
-        self.standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, self._token_of)
+        self.standing = Standing(
+            AdmissionCheck.of(record), manifest.admission.mode, self._token_of, self.peer_id
+        )
         self.standing.own_token = admission
         inbox = Inbox({}, make_codec(manifest.sync.codec), lambda p, m: False, 1, 0.0, self.standing)
         self.service = SyncService(

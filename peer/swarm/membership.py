@@ -120,7 +120,9 @@ class Membership:
         self.artifacts = None
         self._keeper_tokens: dict[str, str] = {}
         #: whose votes count, from the tokens in claims (peer/run/admission.py); ours goes in our claim
-        self.standing = Standing(AdmissionCheck.of(record), manifest.admission.mode, self._token_of)
+        self.standing = Standing(
+            AdmissionCheck.of(record), manifest.admission.mode, self._token_of, self.peer_id
+        )
         self.standing.own_token = admission
 
     # --- views ----------------------------------------------------------------------------------

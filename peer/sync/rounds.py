@@ -284,7 +284,7 @@ class RoundRunner:
         ahead = sorted(m for m, why in failed.items() if why == "ahead")
         if not ahead:
             return []
-        voters = set(self.service.inbox.standing.trusted([*ahead, *took]))
+        voters = set(self.service.inbox.standing.among([*ahead, *took]))
         return ahead if len(voters & set(ahead)) > len(voters & took) else []
 
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:

@@ -94,7 +94,9 @@ async def fetch_striped(
     (those of the first piece to arrive from a donor with standing); None if some piece could not be
     had. Not yet confirmed."""
     total = sum(numels)
-    setters = set(service.inbox.standing.trusted(donors))  # donors whose first piece fixes the rounds
+    # donors whose first piece fixes the rounds (any of them, where none has standing: the state is
+    # confirmed or refused as a whole anyway)
+    setters = set(service.inbox.standing.trusted(donors)) or set(donors)
     todo = pieces(total, len(donors))
     out = np.empty(total, dtype=np.float32)
     target: list[int] | None = None
@@ -151,6 +153,9 @@ async def fetch_confirmed(
     voice with standing gives an unconfirmed state (`confirmed` False)."""
     standing = service.inbox.standing
     trusted = standing.trusted(sorted(set(donors) | set(holders or [])))
+    if not trusted:  # nobody here could confirm a state, nor be its only voice
+        logger.warning(f"{module}: none of its {len(donors)} donor(s) has standing in the run; not fetching")
+        return None
     donors = sorted(donors, key=lambda d: d not in trusted)  # donors with standing first, in order
     attempts = ([donors[:MAX_STRIPED_DONORS]] if len(donors) > 1 else []) + [[d] for d in donors]
     for group in attempts:
