@@ -93,3 +93,10 @@ def test_parts_on_probation_are_weighed_against_the_admitted_aggregate():
     # where no part is admitted, every part counts alike (an open run without an authority)
     alike = aggregate(_contributions(parts, admitted=[False] * 3), AggregatorConfig(method="mean"))
     assert np.allclose(alike, np.mean(parts, axis=0), atol=1e-6)
+
+
+def test_every_aggregator_can_be_chosen_for_a_run():
+    from peer.config import SyncConfig
+    from peer.sync.aggregate import AGGREGATORS
+
+    assert [SyncConfig(aggregator=method).aggregator for method in AGGREGATORS] == list(AGGREGATORS)

@@ -104,7 +104,7 @@ class SyncConfig(_Frozen):
         gt=0,
         description="a member waits this long for the others' reports of a round (small, sent at once)",
     )
-    aggregator: Literal["mean", "clipped_mean", "trimmed_mean", "centered_clip"] = Field(
+    aggregator: Literal["mean", "clipped_mean", "trimmed_mean", "median", "centered_clip"] = Field(
         "centered_clip", description="how a group combines its outer gradients (peer/sync/aggregate.py)"
     )
     weight_cap: float = Field(

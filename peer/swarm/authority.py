@@ -220,3 +220,20 @@ def start_authority(
     authority = AdmissionAuthority(service, key, manifest, record, invites_path(manifest_path), read_claims)
     logger.info(f"admitting keys to run {manifest.name} ({manifest.admission.mode}) as its creator")
     return authority, own
+
+
+def serve_if_creator(
+    service: SyncService,
+    key: RSAPrivateKey,
+    manifest: RunManifest,
+    record: ManifestRecord,
+    manifest_path: Path | None,
+    read_claims: Callable[[], dict[str, ClaimRecord]],
+) -> AdmissionAuthority | None:
+    """The authority on a peer's own sync service, if the peer runs with the key that created the run
+    and was given its manifest file (whose folder keeps the invites): the researcher's own peer admits
+    the run's volunteers. None otherwise."""
+    if manifest_path is None or key.get_public_key().to_bytes() != record.creator_public_key:
+        return None
+    logger.info(f"admitting keys to run {manifest.name} ({manifest.admission.mode}) as its creator")
+    return AdmissionAuthority(service, key, manifest, record, invites_path(manifest_path), read_claims)

@@ -42,6 +42,7 @@ from peer.model.transformer import PathModel
 from peer.run.rebuild import check_tokenizer
 from peer.seeding import stable_seed
 from peer.swarm.admission import obtain_admission
+from peer.swarm.authority import AdmissionAuthority, serve_if_creator
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.reachability import DialBackService, Reachability, helpers_from
 from peer.swarm.rotation import Rotation
@@ -84,6 +85,8 @@ class Peer:
         self.metrics: PeerMetrics | None = None
         self.router: RouterFollower | None = None
         self.rotation_policy: RotationPolicy | None = None
+        #: the run's authority, when this peer is its creator's (it admits volunteers)
+        self.authority: AdmissionAuthority | None = None
         # the path trained now and what trains it: rebuilt by a rotation
         self.path: tuple[int, ...] | None = None
         self.model: PathModel | None = None
@@ -154,6 +157,14 @@ class Peer:
         if resumed is not None:
             self._restore(*resumed)
         self._join_path()
+        self.authority = serve_if_creator(
+            self.sync.service,
+            self.key,
+            self.manifest,
+            self.record,
+            cfg.manifest_path,
+            self.membership.read_claims,
+        )
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             logger.info(f"metrics on http://{cfg.metrics_host}:{port}/metrics")
