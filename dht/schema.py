@@ -75,7 +75,8 @@ class ClaimRecord(Record):
     reachability: str = Field("unknown", max_length=32)
     #: mean training loss of the peer's last outer round
     loss: float | None = Field(None, allow_inf_nan=False)
-    #: module syncs by outcome (averaged, alone, partial, failed) and rejected parts by reason, since start
+    #: module syncs by outcome (averaged, alone, partial, excluded, incomplete, failed) and rejected parts
+    #: by reason, since start
     sync_outcomes: dict[str, int] = Field(default_factory=dict, max_length=16)
     bad_parts: dict[str, int] = Field(default_factory=dict, max_length=16)
     bytes_sent: int = Field(0, ge=0)

@@ -28,7 +28,8 @@ import pytest
 from peer.swarm.reachability import helpers_from, relay_of, tcp_endpoint
 from tests.swarm_harness import RUN, write_manifest
 
-pytestmark = pytest.mark.swarm
+# network namespaces are host-wide: one test at a time makes them
+pytestmark = [pytest.mark.swarm, pytest.mark.xdist_group("netns")]
 
 REPO = Path(__file__).resolve().parent.parent
 PUB_IP = "11.77.1.2"

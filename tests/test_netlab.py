@@ -16,6 +16,7 @@ from benchmarks.wan.netlab import NetLab, can_make_namespaces, lab_links, lab_na
 OK, WHY = can_make_namespaces()
 pytestmark = [
     pytest.mark.swarm,
+    pytest.mark.xdist_group("netns"),  # namespaces are host-wide: one test at a time
     pytest.mark.skipif(not OK, reason=f"cannot make network namespaces here: {WHY}"),
     pytest.mark.timeout(60),
 ]

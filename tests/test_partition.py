@@ -30,6 +30,7 @@ from tests.swarm_harness import (
 OK, WHY = can_make_namespaces()
 pytestmark = [
     pytest.mark.swarm,
+    pytest.mark.xdist_group("netns"),  # namespaces are host-wide: one test at a time
     pytest.mark.skipif(not OK, reason=f"cannot make network namespaces here: {WHY}"),
     pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables is not installed"),
 ]

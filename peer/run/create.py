@@ -103,7 +103,7 @@ def manifest_from_options(
             f"codec {o.codec} with outer momentum {outer.momentum:g} and α = {sync.mixing_alpha:g}: a "
             "group's mean of top-k parts moves each coordinate by the share of holders that sent it, so "
             "DiLoCo's outer step learns slowly; measured better: --outer_momentum 0 --mixing_alpha 0 "
-            "--outer_lr about 2 x the holders per module (README, WAN lab)"
+            "--outer_lr about 2 x the holders per module (docs/benchmarks/wan.md)"
         )
     base = base_ref = None
     if o.warm_start_steps or o.base_checkpoint:
