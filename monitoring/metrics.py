@@ -13,6 +13,7 @@ import importlib.metadata
 import logging
 import platform
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client import start_http_server as _start_http_server
@@ -107,6 +108,11 @@ class PeerMetrics:
             "Checkpoints that could not be written (a full disk); training went on.",
             registry=r,
         )
+        self.last_averaged = Gauge(
+            "pathswarm_last_averaged_timestamp_seconds",
+            "Unix time of this peer's last module sync averaged with other holders (0: none yet).",
+            registry=r,
+        )
         self.peers_seen = Gauge(
             "pathswarm_peers_seen", "Distinct live peers of this run seen in the DHT.", registry=r
         )
@@ -162,6 +168,8 @@ class PeerMetrics:
         if bytes_sent < 0 or bytes_received < 0:
             raise ValueError("byte counts must be >= 0")
         self.outer_rounds.labels(outcome).inc()
+        if outcome == "averaged":
+            self.last_averaged.set(time.time())
         if outcome != "alone":  # no all-reduce ran; its ~0 s would drag the latency quantiles down
             self.allreduce_seconds.observe(seconds)
         self.group_size.set(group_size)

@@ -185,10 +185,20 @@ def test_health_reports_a_live_peer_and_fails_without_one():
     served = metrics.serve(0, "127.0.0.1")
     try:
         metrics.observe_step(128, 2.5, 100.0)
-        code, out = _health(served)
+        code, alone = _health(served)
+        # three module syncs: two averaged with others, one alone; three own rounds done
+        for outcome in ("averaged", "averaged", "alone"):
+            metrics.observe_round(outcome, 0.5, 2, 10, 10)
+        metrics.set_rounds(7, 3)
+        code_averaged, averaged = _health(served)
     finally:
         metrics.shutdown()
-    assert code == 0 and out.startswith("healthy: 1 steps"), out
+    assert code == 0 and alone.startswith("healthy, NOT contributing"), alone
+    assert "never averaged with others yet" in alone
+    assert code_averaged == 0 and averaged.startswith("healthy, contributing: 1 steps, 3 own rounds"), (
+        averaged
+    )
+    assert "2 module syncs averaged with others, 128 tokens trained, last averaged with others" in averaged
 
 
 def _health(port: int) -> tuple[int, str]:

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dht.schema import ClaimRecord, KeptModule, StashRecord
 from monitoring.swarm.exporter import SwarmCollector, make_registry
+from monitoring.swarm.rates import MeasuredRates
 from monitoring.swarm.view import build_view, select_claims
 from peer.model.grid import ModelConfig
 
@@ -49,7 +50,7 @@ def test_view_counts_states_holders_orphans_and_lag():
     assert view.uncovered_paths == [2, 3]
     # fragment 0 of trunk: 4 vs 1 -> 3; l0m0: [4,3] vs [1,1] -> max(3, 2)
     assert view.module_round_spread == {"trunk": 3, "l0m0": 3, "l0m1": 0, "l1m0": 0, "l1m1": 0}
-    assert view.tokens_per_second == 150.0
+    assert view.tokens_per_second == 0.0  # nothing measured yet: claimed rates are not summed
     assert view.loss_by_path == {0: 3.0, 1: 2.0}
     # totals are summed over every live peer; a key no pathswarm peer writes is filed as "other"
     assert view.sync_outcomes == {"averaged": 8, "failed": 1, "other": 9}
@@ -100,9 +101,10 @@ def test_swarm_counters_only_grow_while_peers_restart_and_leave():
 
 
 def test_per_peer_series_are_capped_and_the_rest_counted():
-    records = [(claim(f"Qm{i:04d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(30)]
+    records = [(claim(f"Qm{i:04d}", i % 4, ["trunk"]), 1e12) for i in range(30)]
+    measured = ({f"Qm{i:04d}": float(i) for i in range(30)}, set())
     collector = SwarmCollector(max_peer_series=5)
-    collector.publish(build_view("r", "f" * 64, GRID, select_claims(records)), 0.1, 2)
+    collector.publish(build_view("r", "f" * 64, GRID, select_claims(records), rates=measured), 0.1, 2)
     metrics = scrape(collector)
     shown = {dict(k)["peer_id"] for k in metrics["pathswarm_swarm_peer_tokens_per_second"]}
     assert shown == {f"Qm{i:04d}" for i in range(25, 30)}  # the fastest
@@ -150,8 +152,9 @@ def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
     from monitoring.swarm.page import MAX_PAGE_ROWS, render_page
     from monitoring.swarm.status import status_dict
 
-    records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"], tokens_per_second=float(i)), 1e12) for i in range(400)]
-    status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records)), [])
+    records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"]), 1e12) for i in range(400)]
+    measured = ({f"Qm{i:05d}": float(i) for i in range(400)}, set())
+    status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records), rates=measured), [])
     page = render_page(status)
     assert len(re.findall(r'<tr data-peer="', page)) == MAX_PAGE_ROWS
     assert 'data-peer="Qm00000"' not in page  # the slowest peer is beyond the cap...
@@ -159,3 +162,27 @@ def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
     assert '<tr data-peer="Qm00000" class="mine">' in mine  # ...until its owner searches for it
     # nothing is loaded from elsewhere: no external scripts, styles, images or links but the JSON
     assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["/api/status"]
+
+
+def test_tokens_per_second_is_measured_from_counters_over_the_monitors_clock_not_claimed():
+    def claims(totals: dict[str, int]):
+        return select_claims([(claim(p, i, ["trunk"], tokens_total=t, tokens_per_second=30_000.0), 1e12)
+                              for i, (p, t) in enumerate(sorted(totals.items()))])  # fmt: skip
+
+    rates = MeasuredRates()
+    first = {"QmA": 1000, "QmB": 500, "QmC": 0, "QmD": 0}
+    measured, flagged = rates.update(100.0, first)
+    assert measured == dict.fromkeys(first, 0.0) and not flagged  # one reading is no rate yet
+    # 10 s later: A trained 1,000 tokens, B stalled, C and D 1,200 and 900; each claims 30,000/s
+    second = {"QmA": 2000, "QmB": 500, "QmC": 1200, "QmD": 900}
+    measured, flagged = rates.update(110.0, second)
+    assert measured == {"QmA": 100.0, "QmB": 0.0, "QmC": 120.0, "QmD": 90.0} and not flagged
+    view = build_view("r", "f" * 64, GRID, claims(second), rates=(measured, flagged))
+    assert view.tokens_per_second == 310.0  # the stall shows as a drop, the claims count for nothing
+    assert {r.peer_id: r.claimed_tokens_per_second for r in view.peers}["QmA"] == 30_000.0
+    # a counter racing ahead of the others is flagged and left out; one that went down starts over
+    third = {"QmA": 3000, "QmB": 0, "QmC": 2400, "QmD": 1800_000}
+    measured, flagged = rates.update(120.0, third)
+    assert measured["QmB"] == 0.0 and flagged == {"QmD"}
+    view = build_view("r", "f" * 64, GRID, claims(third), rates=(measured, flagged))
+    assert view.tokens_per_second == 100.0 + 120.0 and view.implausible == 1

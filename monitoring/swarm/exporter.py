@@ -179,8 +179,14 @@ class SwarmCollector:
         )
         yield GaugeMetricFamily(
             "pathswarm_swarm_tokens_per_second",
-            "Sum of training peers' claimed tokens per second.",
+            "Sum of training peers' tokens per second, measured from their token counters over the "
+            "monitor's clock (implausible counters left out).",
             v.tokens_per_second,
+        )
+        yield GaugeMetricFamily(
+            "pathswarm_swarm_peers_implausible",
+            "Peers whose token counter rises over 10x the median peer's rate (left out of the total).",
+            v.implausible,
         )
         yield self._per(
             "pathswarm_swarm_loss", "Mean claimed training loss of each path's peers.", "path", v.loss_by_path
@@ -223,7 +229,9 @@ class SwarmCollector:
             labels=["peer_id", "path", "state", "version", "reachability"],
         )
         tps = GaugeMetricFamily(
-            "pathswarm_swarm_peer_tokens_per_second", "A peer's claimed tokens/s.", labels=["peer_id"]
+            "pathswarm_swarm_peer_tokens_per_second",
+            "A peer's tokens/s, measured from its token counter over the monitor's clock.",
+            labels=["peer_id"],
         )
         rnd = GaugeMetricFamily(
             "pathswarm_swarm_peer_outer_round", "A peer's claimed outer round.", labels=["peer_id"]

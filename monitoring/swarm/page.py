@@ -133,12 +133,14 @@ def peers_table(status: dict, mine: str = "") -> str:
         loss = "" if p["loss"] is None else f"{p['loss']:.3f}"
         rows.append(
             f'<tr data-peer="{escape(p["peer_id"])}"{cls}><td><code>{escape(p["peer_id"])}</code></td>'
-            f"<td>{p['path']}</td><td>{escape(p['state'])}</td><td>{p['tokens_per_second']:.1f}</td>"
+            f"<td>{p['path']}</td><td>{escape(p['state'])}</td>"
+            f'<td title="claimed {p["claimed_tokens_per_second"]:.0f}"{" class=bad" if p["implausible"] else ""}>'
+            f"{p['tokens_per_second']:.1f}{' (implausible)' if p['implausible'] else ''}</td>"
             f"<td>{p['outer_round']}</td><td>{loss}</td><td>{escape(p['reachability'])}</td>"
             f"<td>{escape(p['software_version'])}</td><td>{p['sync_outcomes'].get('averaged', 0)}</td>"
             f"<td{' class=bad' if failed else ''}>{failed}</td><td{' class=bad' if bad else ''}>{bad}</td></tr>"
         )
-    head = "".join(f"<th>{h}</th>" for h in ("peer id", "path", "state", "tokens/s", "round", "loss",
+    head = "".join(f"<th>{h}</th>" for h in ("peer id", "path", "state", "tokens/s (measured)", "round", "loss",
                                               "reachability", "version", "averaged", "failed", "bad parts"))  # fmt: skip
     note = (
         f'<div class="sub">{len(shown)} of {len(ranked)} peers shown</div>'
@@ -153,7 +155,7 @@ def render_page(status: dict, mine: str = "") -> str:
     if status.get("peers") is None:
         return f"<!doctype html><html><head><meta charset='utf-8'><title>pathswarm</title></head><body><h1>pathswarm monitor</h1><p>{escape(status.get('message', 'waiting for the first poll'))}</p></body></html>"
     cards = [("peers", len(status["peers"])), ("training", status["by_state"].get("training", 0)),
-             ("tokens/s", f"{status['tokens_per_second']:.0f}"), ("orphaned modules", len(status["orphaned"])),
+             ("tokens/s (measured)", f"{status['tokens_per_second']:.0f}"), ("orphaned modules", len(status["orphaned"])),
              ("under-replicated", len(status["under_replicated"])), ("uncovered paths", len(status["uncovered_paths"])),
              ("bad parts", sum(status["bad_parts"].values()))]  # fmt: skip
     cards_html = "".join(

@@ -19,6 +19,7 @@ from dht.keys import claims_key, manifest_key, stash_key
 from dht.records import read_records
 from dht.schema import ClaimRecord, ManifestRecord, StashRecord
 from monitoring.swarm.exporter import SwarmCollector
+from monitoring.swarm.rates import MeasuredRates
 from monitoring.swarm.view import SwarmView, build_view, select_claims
 from peer.config import RunManifest
 from peer.errors import SwarmError
@@ -83,6 +84,8 @@ class SwarmPoller:
         self.interval_seconds = interval_seconds
         self.history: deque[HistoryPoint] = deque(maxlen=HISTORY_POINTS)
         self.view: SwarmView | None = None
+        #: the peers' tokens/s, measured from their counters over this monitor's clock
+        self.rates = MeasuredRates()
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -99,7 +102,10 @@ class SwarmPoller:
         except Exception:
             self.collector.poll_failed(reads)
             raise
-        view = build_view(name, self.run_id, self.manifest.model, select_claims(records), stash)
+        selected = select_claims(records)
+        counters = {p: c.tokens_total for p, c in selected.claims.items()}
+        rates = self.rates.update(time.monotonic(), counters)
+        view = build_view(name, self.run_id, self.manifest.model, selected, stash, rates)
         seconds = time.perf_counter() - started
         self.collector.publish(view, seconds, reads)
         spread = max(view.module_round_spread.values(), default=0)

@@ -4,7 +4,9 @@
 `MAX_CLAIMS_PER_RUN`, so a flood of keys cannot grow the monitor's memory); `build_view` turns those
 claims and the run's grid into a `SwarmView`: peers by state, holders per path and module, modules
 down to their last holder or orphaned, fragment lag, throughput, loss, sync outcomes and bad parts.
-Every number here is what peers *claim* about themselves; the monitor shows them and decides nothing.
+Every number here is what peers *claim* about themselves, except the tokens/s, which the monitor
+measures from the claims' token counters over its own clock (`rates`); the monitor shows them and
+decides nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class PeerRow:
     peer_id: str
     path: int
     state: str
+    #: measured by the monitor from the peer's token counter (`MeasuredRates`), not its claim
     tokens_per_second: float
     tokens_total: int
     outer_round: int
@@ -72,6 +75,10 @@ class PeerRow:
     bad_parts: dict[str, int]
     bytes_sent: int
     bytes_received: int
+    #: what the peer says its rate is, shown beside the measured one
+    claimed_tokens_per_second: float = 0.0
+    #: its counter rises implausibly fast: shown, left out of the swarm's total
+    implausible: bool = False
 
 
 @dataclass
@@ -94,7 +101,10 @@ class SwarmView:
     module_kept: dict[str, int] = field(default_factory=dict)
     #: grid cells: per path, per module on it, the holders of that module
     grid: dict[int, dict[str, int]] = field(default_factory=dict)
+    #: the sum of the training peers' measured tokens/s (implausible counters left out)
     tokens_per_second: float = 0.0
+    #: peers whose token counter rises implausibly fast
+    implausible: int = 0
     loss_by_path: dict[int, float] = field(default_factory=dict)
     sync_outcomes: dict[str, int] = field(default_factory=dict)
     bad_parts: dict[str, int] = field(default_factory=dict)
@@ -149,8 +159,11 @@ def build_view(
     model: ModelConfig,
     selected: Selected,
     stash: list[StashRecord] | None = None,
+    rates: tuple[dict[str, float], set[str]] | None = None,
 ) -> SwarmView:
-    """The swarm view of `selected` claims in a run whose grid is `model`."""
+    """The swarm view of `selected` claims in a run whose grid is `model`; `rates`: the measured
+    tokens/s of each peer and the implausible ones (`MeasuredRates.update`; none: all zero)."""
+    measured, implausible = rates if rates is not None else ({}, set())
     paths = list(range(model.n_paths))
     modules = all_module_ids(model)
     view = SwarmView(run, run_id, paths, modules)
@@ -175,7 +188,7 @@ def build_view(
                 peer_id,
                 c.path,
                 state,
-                c.tokens_per_second,
+                measured.get(peer_id, 0.0),
                 c.tokens_total,
                 c.outer_round,
                 c.step,
@@ -187,8 +200,11 @@ def build_view(
                 _known(c.bad_parts, BAD_PART_REASONS),
                 c.bytes_sent,
                 c.bytes_received,
+                c.tokens_per_second,
+                peer_id in implausible,
             )  # fmt: skip
         )
+        view.implausible += peer_id in implausible
         # outcomes, bad parts and bytes are totals since each peer started: summed over every live peer
         outcomes.update(view.peers[-1].sync_outcomes)
         bad.update(view.peers[-1].bad_parts)
@@ -196,7 +212,8 @@ def build_view(
         view.bytes_received += c.bytes_received
         if state != "training":
             continue  # a joining copy is not caught up yet, a leaving one is about to go
-        view.tokens_per_second += c.tokens_per_second
+        if peer_id not in implausible:
+            view.tokens_per_second += measured.get(peer_id, 0.0)
         if c.path in path_holders:
             path_holders[c.path] += 1
         if c.loss is not None:

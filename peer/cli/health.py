@@ -1,8 +1,11 @@
-"""`pathswarm health`: is the peer on this machine alive? For Docker's HEALTHCHECK and for volunteers.
+"""`pathswarm health`: is the peer on this machine alive, and is it contributing? For Docker's
+HEALTHCHECK and for volunteers.
 
 It reads the peer's Prometheus endpoint (`--metrics_port`, or `PATHSWARM_METRICS_PORT` as the container
 sets it) and exits 0 when the peer answers with its training counters, 1 otherwise, printing one line
-either way: the steps, outer rounds and tokens it has done so far, or why it is not healthy.
+either way: its steps, its own outer rounds, the module syncs it averaged with other holders, the
+tokens it trained, how long ago it last averaged with others, and plainly whether it is contributing
+(it averaged with others in the last `CONTRIBUTING_SECONDS`) — or why it is not healthy.
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 
 from peer.cli.common import Handler
 
-_SAMPLE = re.compile(r"^(pathswarm_[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$", re.M)
+_SAMPLE = re.compile(r"^(pathswarm_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$", re.M)
+#: a peer that averaged with other holders this recently is contributing
+CONTRIBUTING_SECONDS = 600.0
 
 
 def register(subparsers) -> dict[str, Handler]:
@@ -42,13 +48,28 @@ def cmd_health(args: argparse.Namespace) -> int:
         reason = getattr(e, "reason", e)
         print(f"unhealthy: no peer answers on {url} ({reason})")
         return 1
-    samples = {name: float(value) for name, value in _SAMPLE.findall(text)}
+    samples: dict[str, float] = {}
+    averaged = 0.0
+    for name, labels, value in _SAMPLE.findall(text):
+        samples[name] = samples.get(name, 0.0) + float(value)  # the sum over a metric's labels
+        if name == "pathswarm_outer_rounds_total" and 'outcome="averaged"' in labels:
+            averaged = float(value)
     if "pathswarm_inner_steps_total" not in samples:
         print(f"unhealthy: {url} answers but shows no pathswarm peer metrics")
         return 1
-    print(
-        f"healthy: {samples['pathswarm_inner_steps_total']:.0f} steps, "
-        f"{samples.get('pathswarm_outer_rounds_total', 0):.0f} outer rounds, "
-        f"{samples.get('pathswarm_tokens_total', 0):.0f} tokens"
-    )
+    print(describe(samples, averaged, time.time()))
     return 0
+
+
+def describe(samples: dict[str, float], averaged: float, now: float) -> str:
+    """The one line `health` prints for a peer that answers."""
+    last = samples.get("pathswarm_last_averaged_timestamp_seconds", 0.0)
+    ago = now - last if last > 0 else None
+    contributing = ago is not None and ago <= CONTRIBUTING_SECONDS
+    since = "never averaged with others yet" if ago is None else f"last averaged with others {ago:.0f} s ago"
+    verdict = "contributing" if contributing else "NOT contributing (no round averaged with others lately)"
+    return (
+        f"healthy, {verdict}: {samples['pathswarm_inner_steps_total']:.0f} steps, "
+        f"{samples.get('pathswarm_own_rounds', 0):.0f} own rounds, {averaged:.0f} module syncs averaged "
+        f"with others, {samples.get('pathswarm_tokens_total', 0):.0f} tokens trained, {since}"
+    )

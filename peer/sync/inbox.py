@@ -114,6 +114,8 @@ class Inbox:
         self._recent: OrderedDict[Key, dict[str, Delivery]] = OrderedDict()
         #: module -> peer -> rounds of ours whose agreed senders included it (what an authority asks)
         self.accepted: dict[str, Counter[str]] = {}
+        #: peer -> modules it said it stopped holding (moving or leaving), until it sends a part again
+        self._byes: dict[str, set[str]] = {}
         #: the highest round another holder announced per fragment (a hint that we fell behind)
         self.seen_ahead: dict[tuple[str, int], int] = {}
         #: module -> holder -> when it last offered us an outer gradient (it is active in the module)
@@ -172,6 +174,19 @@ class Inbox:
             if got is not None and got.digest == digest:
                 return got
         return None
+
+    def note_bye(self, sender: str, modules: list[str]) -> None:
+        """`sender` stopped holding `modules`: rounds stop waiting for it at once."""
+        if len(self._byes) >= 4 * self.max_senders and sender not in self._byes:
+            self._byes.pop(next(iter(self._byes)))
+        self._byes.setdefault(sender, set()).update(m for m in modules if m in self.fragment_sizes)
+        for key, slot in self._slots.items():
+            if key[0] in modules:
+                slot.changed.set()
+
+    def gone(self, peer: str, module: str) -> bool:
+        """Whether `peer` no longer holds `module`: it said so, or its claim no longer lists it."""
+        return module in self._byes.get(peer, ()) or not self.is_holder(peer, module)
 
     def note_accepted(self, module: str, senders: list[str]) -> None:
         counts = self.accepted.setdefault(module, Counter())
@@ -253,6 +268,7 @@ class Inbox:
         return delta
 
     def add_delivery(self, key: Key, delivery: Delivery) -> None:
+        self._byes.get(delivery.sender, set()).discard(key[0])  # it holds the module again
         slot = self.slot(key)
         if delivery.sender in slot.deliveries:
             raise Refused("duplicate", "one outer gradient per sender and round")

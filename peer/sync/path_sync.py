@@ -13,6 +13,7 @@ and deals with what each round's result asks for.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -327,6 +328,25 @@ class PathSync:
                     self.metrics.module_reset()
         self.align()
         return downloaded
+
+    def say_bye(self, modules: list[str], holders: dict[str, list[str]], timeout: float = 3.0) -> None:
+        """Tells the other holders of `modules` that we stop holding them now (we move to another path,
+        or leave), so that their rounds do not wait for us; best effort, at most `timeout`."""
+        peers = sorted({p for m in modules for p in holders.get(m, []) if p != self.peer_id})
+        if self.service is None or not peers or not modules:
+            return
+        frames = [wire.pack_header(Kind.BYE, wire.Bye(run=self.service.run, modules=modules))]
+
+        async def tell_all() -> None:
+            async def tell(peer: str) -> None:
+                try:
+                    await self.service.request(peer, frames, timeout)
+                except Exception as e:
+                    logger.debug(f"could not tell {peer} we leave {modules}: {type(e).__name__}: {e}")
+
+            await asyncio.gather(*(tell(p) for p in peers))
+
+        self.service.call(tell_all(), timeout + 2)
 
     def hand_over(self, modules: list[str], keepers: list[str]) -> list[str]:
         """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits;

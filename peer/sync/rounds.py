@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,13 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
+#: once rounds have measured how long gathering every member's Δ takes, a member is waited for at most
+#: this many times the longest of the last `GATHER_HISTORY` such gathers (at least `GATHER_FLOOR`
+#: seconds, at most the averaging timeout): a member that is gone costs a round that much, not a
+#: minute, and a member that is slow every round is still waited for
+GATHER_MULTIPLE = 4.0
+GATHER_FLOOR_SECONDS = 5.0
+GATHER_HISTORY = 8
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
 
@@ -102,6 +110,15 @@ class RoundRunner:
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
+        #: seconds the last rounds took to gather every member's Δ (rounds where all of them came)
+        self._gathers: deque[float] = deque(maxlen=GATHER_HISTORY)
+
+    def gather_budget(self) -> float:
+        """How long a round waits for its members' Δs (see GATHER_MULTIPLE)."""
+        timeout = self.settings.averaging_timeout_seconds
+        if not self._gathers:
+            return timeout
+        return min(timeout, max(GATHER_FLOOR_SECONDS, GATHER_MULTIPLE * max(self._gathers)))
 
     def _keep(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -179,7 +196,11 @@ class RoundRunner:
             admission=token,
         )  # fmt: skip
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
-        deadline = loop.time() + self.settings.averaging_timeout_seconds
+        started = loop.time()
+        # our sends may take the whole timeout (a slow link carries our Δ); the wait for others is
+        # bounded by what rounds have measured
+        deadline = started + self.settings.averaging_timeout_seconds
+        wait_until = started + self.gather_budget()
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
         def gathered(slot) -> bool:
@@ -189,10 +210,10 @@ class RoundRunner:
                     send = self._send(sender, frames, deadline, failed, key, took=took)
                     sends.append(asyncio.create_task(send))
             for m in others:
-                # a member whose claim went (it announced it is leaving, or its claim expired) after
-                # it took our Δ will not send its own: waiting for it would hold the round, and our
-                # own shutdown, until the averaging timeout
-                if m not in slot.deliveries and m not in failed and not inbox.is_holder(m, key[0]):
+                # a member that said it stops holding the module (moving or leaving), or whose claim
+                # went, will not send its own: waiting for it would hold the round, and our own
+                # shutdown, until the averaging timeout
+                if m not in slot.deliveries and m not in failed and inbox.gone(m, key[0]):
                     failed[m] = LEFT
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
@@ -201,7 +222,9 @@ class RoundRunner:
                 for m in others
             )
 
-        await inbox.wait(key, gathered, deadline)
+        if await inbox.wait(key, gathered, wait_until):
+            if all(m in inbox.slot(key).deliveries for m in others):
+                self._gathers.append(loop.time() - started)
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
@@ -356,6 +379,6 @@ class RoundRunner:
             elif m in slot.deliveries or any(m in r.received for r in slot.reports.reports.values()):
                 dropped[m] = "disputed (no majority of voters received the same)"
             else:
-                gone = not self.service.inbox.is_holder(m, key[0])
+                gone = self.service.inbox.gone(m, key[0])
                 dropped[m] = LEFT if gone else failed.get(m, "missing")
         return dropped

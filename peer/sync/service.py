@@ -91,7 +91,10 @@ class SyncService:
             writer.close()
 
     async def _dispatch(self, sender: str, reader, writer) -> None:
-        kinds = {Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, *self.extra_handlers}
+        kinds = {
+            Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, Kind.BYE,
+            *self.extra_handlers,
+        }  # fmt: skip
         kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
         self.bytes_received += len(body) + 5
         try:
@@ -106,6 +109,10 @@ class SyncService:
             elif kind == Kind.PART_REQUEST:
                 await self._on_part_request(sender, wire.parse(wire.PartRequest, body), writer)
                 return
+            elif kind == Kind.BYE:
+                bye = wire.parse(wire.Bye, body)
+                self._check_run(bye.run)
+                self.inbox.note_bye(sender, bye.modules)
             elif kind == Kind.STANDING:
                 query = wire.parse(wire.StandingQuery, body)
                 self._check_run(query.run)

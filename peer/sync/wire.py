@@ -47,6 +47,7 @@ class Kind(enum.IntEnum):
     ADMIT = 12  # AdmitRequest to a run's authority; answered with an ACK, then (if ok) an ADMITTED frame
     ADMITTED = 13  # Admitted: the token
     STANDING = 14  # StandingQuery; answered with an ACK whose reason is the count, as decimal digits
+    BYE = 15  # Bye: "I leave these modules now (moving or stopping): do not wait for me"; an ACK
 
 
 class WireError(ValueError):
@@ -149,6 +150,13 @@ class Admitted(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     token: str = Field(max_length=MAX_ADMISSION_TOKEN_CHARS)
+
+
+class Bye(Header):
+    """The sender stops holding `modules` now (it moves to another path, or leaves): its rounds of
+    them are not waited for. About itself only, so its word is enough."""
+
+    modules: list[str] = Field(max_length=64)
 
 
 class StandingQuery(Header):

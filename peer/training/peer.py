@@ -366,6 +366,8 @@ class Peer:
         if self.rotation_policy.blocked(self._hand_over(self.membership.modules_only_we_hold(dropped))):
             return
         old_model, old_sync = self.model, self.sync
+        # the modules we leave: their other holders' rounds must not wait for us from now on
+        self.sync.say_bye(dropped, self.membership.holders())
         self.membership.move_to(new_path)
         moved_at = time.monotonic()
         self.path = new_path
@@ -426,6 +428,9 @@ class Peer:
             return
         self._closed = True
         self.request_stop()
+        if self.sync is not None and self.membership is not None:
+            # first: the other holders stop waiting for our parts while we checkpoint and hand over
+            self.sync.say_bye(list(self.sync.syncs), self.membership.holders())
         try:
             if self.sync is not None and self.step > 0 and self.checkpoints.saved_step != self.step:
                 self.checkpoint()
