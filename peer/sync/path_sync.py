@@ -262,6 +262,9 @@ class PathSync:
                 logger.warning(f"{ms.module_id} fragment {fragment}: no copy to merge came; keeping ours")
                 return
             ms.load_fragment_copy(fragment, theta, momentum)
+            logger.info(
+                f"{ms.module_id} fragment {fragment}: merged the diverged copies of {len(used)} holders"
+            )
         except Exception as e:
             logger.error(
                 f"{ms.module_id} fragment {fragment}: merging copies failed: {type(e).__name__}: {e}"

@@ -3,10 +3,11 @@
 One entry per outer round (fragment 0's sync): the round, steps and tokens so far, the mean training
 loss of the round, the outcome of every module's sync per fragment, the bytes this peer sent over
 the round and for its largest single sync event, how long each of the round's syncs took from its
-start to its result, the groups, and the training time. Benchmarks (the WAN lab) and the demo read
-these entries from the checkpoints. `own_rounds` counts the rounds this peer completed (across
-resumes, unlike the swarm's round number in each entry): what --max_rounds limits. `Throughput` is the
-tokens per second a peer reports in its claim and metrics.
+start to its result, the groups, the training time, and the seconds of the round spent inside inner
+steps (`step_seconds`: not waiting on a sync, a rotation or a checkpoint). Benchmarks (the WAN lab,
+goodput) and the demo read these entries from the checkpoints. `own_rounds` counts the rounds this
+peer completed (across resumes, unlike the swarm's round number in each entry): what --max_rounds
+limits. `Throughput` is the tokens per second a peer reports in its claim and metrics.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RoundHistory:
         #: outer rounds this peer completed, across resumes (entries are cut to the last 200 in a checkpoint)
         self.own_rounds = 0
         self._losses: list[float] = []
+        self._step_seconds = 0.0
         self._bytes = self._peak_bytes = 0
         self._sync_seconds: list[float] = []
         self._fragments: dict[str, dict[str, str]] = {}
@@ -72,8 +74,10 @@ class RoundHistory:
         # completed (exact below 200 rounds, a lower bound past them).
         self.own_rounds = len(self.entries) if own_rounds is None else own_rounds
 
-    def add_loss(self, loss: float) -> None:
+    def add_step(self, loss: float, seconds: float) -> None:
+        """One inner step: its training loss and how long it took (forward, backward, optimizer)."""
         self._losses.append(loss)
+        self._step_seconds += seconds
 
     def add_sync(self, done: FragmentDone) -> None:
         self._bytes += done.bytes_sent
@@ -100,9 +104,11 @@ class RoundHistory:
             tokens_total=tokens_total,
             time=time.time(),
             train_seconds=self.train_seconds,
+            step_seconds=self._step_seconds,
         )
         self.entries.append(entry)
         self.own_rounds += 1
         self._losses, self._fragments, self._sync_seconds = [], {}, []
         self._bytes = self._peak_bytes = 0
+        self._step_seconds = 0.0
         return entry

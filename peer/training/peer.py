@@ -270,18 +270,18 @@ class Peer:
         while not self._finishing():
             fault_point("train.step")
             batch = next(self.batches).to(self.device)
+            began = time.perf_counter()
             self.last_loss = inner_step(self.model, self.inner, batch, m.inner, self.step, autocast=autocast)
+            self.history.add_step(self.last_loss, time.perf_counter() - began)
             tokens = tokens_in(batch)
             if first_step:
                 first_step = False
-                logger.info(
-                    f"first inner step {time.time() - self.process_started:.1f} s after the peer started"
-                )
+                since = time.time() - self.process_started
+                logger.info(f"first inner step {since:.1f} s after the peer started")
             self.step += 1
             index = path_index(m.model, self.path)
             self.path_steps[index] = self.path_steps.get(index, 0) + 1
             self.tokens_total += tokens
-            self.history.add_loss(self.last_loss)
             self.metrics.observe_step(tokens, self.last_loss, self.throughput.add(tokens))
             holders = self.membership.holders()
             for done in self.sync.after_step(self.step, self.tokens_total, holders):

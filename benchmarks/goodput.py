@@ -1,0 +1,350 @@
+"""Goodput: how much of the time volunteers give trains, measured: `python -m benchmarks.goodput --out DIR`.
+
+Real peer processes on loopback, a 2x2 grid (four paths) on the built-in corpus.
+
+`rotation`: 3 peers with rotation on (fewer peers than paths), `--rounds` outer rounds each, and a
+`pathswarm monitor` polled beside them. `train_fraction` is the summed seconds spent inside inner steps
+over the summed training-loop seconds of every peer (what is not an inner step is waiting: on a round,
+a rotation, a checkpoint); `tokens_per_second` is measured from the peers' own round histories (the
+tokens each had trained at each round's end, over the window where all of them were training);
+`monitor_tokens_per_second` is the mean of what the monitor's status showed over that same window.
+`max_round_gap_seconds`: the longest time between two consecutive rounds of one peer.
+
+`churn`: 4 peers, one per path; every `--kill_every_seconds` a random peer (seeded) is SIGKILLed (every
+third time, two at once) and restarted `--restart_after_seconds` later with `--resume`. Against the
+same run without kills, run before and after it: `tokens_ratio` (tokens in the peers' final
+checkpoints per wall-clock second, launch to last exit: what a kill loses, restarts and the steps
+since the last checkpoint, counts against it), `eval_loss_ratio` (each peer's global copy of its
+final path on held-out documents, averaged), `rounds_split` (a member found after a round that its
+copy differs from the group's, by the digests the next round's reports carry, and repaired or merged
+it) and `modules_reset` (a module started again from initial weights). Writes DIR/goodput.json,
+DIR/goodput.md and DIR/goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from benchmarks.local_runs import write_run  # noqa: E402
+from benchmarks.wan.report import load_weights  # noqa: E402
+from peer.checkpoint import load_latest_checkpoint  # noqa: E402
+from peer.cli.local_swarm import LOOPBACK, LocalSwarm  # noqa: E402
+from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig  # noqa: E402
+from peer.data.sources import DatasetSpec, eval_documents  # noqa: E402
+from peer.model.grid import ModelConfig  # noqa: E402
+from peer.model.tokenizer import load_tokenizer  # noqa: E402
+from peer.model.transformer import PathModel  # noqa: E402
+from peer.offline.evaluation import evaluate  # noqa: E402
+from peer.run.create import build_manifest  # noqa: E402
+
+#: what a peer logs when it must start a module from initial weights (peer/sync/path_sync.py)
+RESET_MARK = "starts again from its initial weights"
+#: what a member logs when the digests in a round's reports show its copy split from the group's
+SPLIT_MARKS = ("(it drifted); repairing it", "merged the diverged copies")
+TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=24, help="outer rounds of each rotation peer")
+    p.add_argument("--churn_rounds", type=int, default=40, help="outer rounds of each churn peer")
+    p.add_argument("--inner_steps", type=int, default=50, help="H")
+    p.add_argument("--d_model", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--builtin_docs", type=int, default=1500)
+    p.add_argument("--max_eval_docs", type=int, default=200)
+    p.add_argument("--kill_every_seconds", type=float, default=15.0)
+    p.add_argument("--restart_after_seconds", type=float, default=2.0)
+    p.add_argument("--monitor_interval_seconds", type=float, default=2.0)
+    p.add_argument("--run_timeout_seconds", type=float, default=400.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", nargs="+", default=["rotation", "churn"], choices=["rotation", "churn"])
+    return p.parse_args(argv)
+
+
+def make_manifest(args: argparse.Namespace, name: str, rounds: int) -> RunManifest:
+    return build_manifest(
+        name,
+        ModelConfig(
+            d_model=args.d_model,
+            n_heads=4,
+            d_ff=4 * args.d_model,
+            max_seq_len=64,
+            n_levels=2,
+            modules_per_level=2,
+        ),  # fmt: skip
+        DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs),
+        seq_len=32,
+        inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=20, total_steps=rounds * args.inner_steps),
+        sync=SyncConfig(inner_steps=args.inner_steps, averaging_timeout_seconds=30.0),
+        router_docs=200,
+        seed=args.seed,
+    )
+
+
+def peer_argv(args, run: str, folder: Path, rounds: int, peers: int, *extra: str) -> list[str]:
+    return ["--run", run, "--checkpoint_dir", str(folder), "--torch_threads", "1",
+            "--batch_size", str(args.batch_size), "--heartbeat_seconds", "1", "--max_rounds", str(rounds),
+            "--wait_for_peers", str(peers), *extra]  # fmt: skip
+
+
+def histories(folder: Path, names: list[str]) -> dict[str, tuple[list[dict], dict]]:
+    out = {}
+    for name in names:
+        loaded = load_latest_checkpoint(folder / name)
+        if loaded is None:
+            raise RuntimeError(f"no checkpoint in {folder / name}")
+        out[name] = (loaded[1]["history"], loaded[1])
+    return out
+
+
+def tokens_at(history: list[dict], t: float) -> float:
+    """A peer's tokens trained by time t, linear between its round ends."""
+    for a, b in zip(history, history[1:], strict=False):
+        if a["time"] <= t <= b["time"]:
+            return a["tokens_total"] + (b["tokens_total"] - a["tokens_total"]) * (t - a["time"]) / max(
+                1e-9, b["time"] - a["time"]
+            )
+    raise ValueError(f"{t} is outside the history")
+
+
+def count_marks(logs: Path, marks: tuple[str, ...]) -> int:
+    return sum(log.read_text(errors="replace").count(m) for log in logs.glob("p*.log") for m in marks)
+
+
+def start_monitor(swarm: LocalSwarm, args, run: str) -> str:
+    """Starts `pathswarm monitor`; returns its /api/status URL."""
+    swarm.spawn("monitor", ["monitor", "--initial_peers", *swarm.initial_peers, "--host_maddrs", LOOPBACK,
+                            "--run", run, "--metrics_port", "0", "--http_port", "0", "--host", "127.0.0.1",
+                            "--interval_seconds", str(args.monitor_interval_seconds)])  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = re.search(r"status page on (http://\S+)/", swarm.log_path("monitor").read_text())
+        if found:
+            return found.group(1) + "/api/status"
+        if not swarm.alive("monitor"):
+            raise RuntimeError(f"the monitor exited: {swarm.log_path('monitor').read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise TimeoutError("the monitor did not print its status page's address")
+
+
+def rotation(args: argparse.Namespace, folder: Path) -> dict:
+    names = [f"p{i}" for i in range(3)]
+    manifest = make_manifest(args, "goodput-rotation", args.rounds)
+    run = write_run(manifest, folder)
+    samples: list[tuple[float, float]] = []
+    started = time.monotonic()
+    with LocalSwarm(folder / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
+        for name in names:
+            swarm.start_peer(name, peer_argv(args, run, folder / name, args.rounds, len(names)))
+        url = start_monitor(swarm, args, run)
+        deadline = time.monotonic() + args.run_timeout_seconds
+        while any(swarm.alive(n) for n in names):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the run did not finish in {args.run_timeout_seconds} s: {folder}/logs")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    samples.append((time.time(), float(json.load(r)["tokens_per_second"])))
+            except (OSError, KeyError, ValueError):
+                pass  # the monitor has no view yet
+            time.sleep(args.monitor_interval_seconds / 2)
+        codes = {n: swarm.procs[n].returncode for n in names}
+    if any(codes.values()):
+        raise RuntimeError(f"peers exited with {codes}: {folder}/logs")
+    hist = histories(folder, names)
+    step_seconds = sum(e.get("step_seconds", 0.0) for h, _ in hist.values() for e in h)
+    loop_seconds = sum(h[-1]["train_seconds"] for h, _ in hist.values())
+    t1 = max(h[0]["time"] for h, _ in hist.values())
+    t2 = min(h[-1]["time"] for h, _ in hist.values())
+    measured = sum(tokens_at(h, t2) - tokens_at(h, t1) for h, _ in hist.values()) / (t2 - t1)
+    # the monitor's rate at a poll covers the interval before it: samples from one interval in
+    shown = [v for t, v in samples if t1 + args.monitor_interval_seconds <= t <= t2]
+    gaps = [b["time"] - a["time"] for h, _ in hist.values() for a, b in zip(h, h[1:], strict=False)]
+    path_steps: dict[str, int] = {}
+    for _, meta in hist.values():
+        for p, n in meta["path_steps"].items():
+            path_steps[p] = path_steps.get(p, 0) + int(n)
+    monitor = statistics.fmean(shown) if shown else float("nan")
+    return dict(
+        peers=len(names),
+        rounds=args.rounds,
+        train_fraction=step_seconds / loop_seconds,
+        tokens_per_second=measured,
+        monitor_tokens_per_second=monitor,
+        monitor_error=abs(monitor - measured) / measured,
+        monitor_samples=len(shown),
+        window_seconds=t2 - t1,
+        max_round_gap_seconds=max(gaps),
+        median_round_gap_seconds=statistics.median(gaps),
+        path_steps=dict(sorted(path_steps.items())),
+        rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
+        seconds=round(time.monotonic() - started, 1),
+    )
+
+
+def eval_paths(args: argparse.Namespace, manifest: RunManifest, folder: Path, names: list[str]) -> float:
+    """Mean held-out loss of each peer's global copy of its final path."""
+    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
+    tokenizer = load_tokenizer(manifest.tokenizer)
+    losses = []
+    for name in names:
+        tensors, meta = load_latest_checkpoint(folder / name)
+        model = PathModel(manifest.model, tuple(meta["path"]), seed=manifest.seed)
+        load_weights(model, tensors, "global")
+        result = evaluate(model, docs, tokenizer, context=manifest.seq_len)
+        losses.append(result.nll / result.tokens)
+    return statistics.fmean(losses)
+
+
+def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
+    names = [f"p{i}" for i in range(4)]
+    manifest = make_manifest(args, "goodput-churn", args.churn_rounds)
+    run = write_run(manifest, folder)
+    rng = random.Random(args.seed)
+    kills: list[dict] = []
+    started = time.monotonic()
+    with LocalSwarm(folder / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
+        argv = {n: peer_argv(args, run, folder / n, args.churn_rounds, len(names), "--path", str(i))
+                for i, n in enumerate(names)}  # fmt: skip
+        for name, a in argv.items():
+            swarm.start_peer(name, a)
+        restarts = dict.fromkeys(names, 0)
+        next_kill = time.monotonic() + args.kill_every_seconds
+        deadline = time.monotonic() + args.run_timeout_seconds
+        while any(swarm.alive(n) for n in names):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the run did not finish in {args.run_timeout_seconds} s: {folder}/logs")
+            time.sleep(0.2)
+            if not kill or time.monotonic() < next_kill:
+                continue
+            living = [n for n in names if swarm.alive(n)]
+            if len(living) < len(names):  # a peer finished: the end is near, stop killing
+                continue
+            victims = rng.sample(living, 2 if len(kills) % 3 == 2 else 1)
+            for v in victims:
+                swarm.kill(v, signal.SIGKILL)
+            kills.append(dict(peers=victims, at_seconds=round(time.monotonic() - started, 1)))
+            print(f"  [{time.monotonic() - started:5.0f}s] killed {', '.join(victims)}", flush=True)
+            time.sleep(args.restart_after_seconds)
+            for v in victims:
+                restarts[v] += 1
+                # a restarted process writes a new log; the old one is kept for the counts
+                swarm.log_path(v).rename(swarm.log_path(f"{v}.{restarts[v]}"))
+                swarm.start_peer(v, [*argv[v], "--resume"])
+            next_kill = time.monotonic() + args.kill_every_seconds
+        codes = {n: swarm.procs[n].returncode for n in names}
+    wall = time.monotonic() - started
+    if any(codes.values()):
+        raise RuntimeError(f"peers exited with {codes}: {folder}/logs")
+    metas = {n: load_latest_checkpoint(folder / n)[1] for n in names}
+    tokens = sum(int(m["tokens_total"]) for m in metas.values())
+    return dict(
+        tokens=tokens,
+        wall_seconds=round(wall, 1),
+        tokens_per_second=tokens / wall,
+        eval_loss=eval_paths(args, manifest, folder, names),
+        rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
+        modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
+        kills=kills,
+        double_kills=sum(len(k["peers"]) == 2 for k in kills),
+    )
+
+
+def table(report: dict) -> str:
+    rows = ["| arm | measure | value | target |", "|---|---|---|---|"]
+    if "rotation" in report:
+        r = report["rotation"]
+        rows += [
+            f"| rotation | train_fraction | {r['train_fraction']:.3f} | ≥ {TARGETS['train_fraction']} |",
+            f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
+            f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",
+            f"| rotation | round gap max, median (s) | {r['max_round_gap_seconds']:.1f}, "
+            f"{r['median_round_gap_seconds']:.1f} | |",
+            f"| rotation | rounds_split | {r['rounds_split']} | 0 |",
+        ]
+    if "churn" in report:
+        c = report["churn"]
+        rows += [
+            f"| churn | tokens_ratio | {c['tokens_ratio']:.3f} | ≥ {TARGETS['tokens_ratio']} |",
+            f"| churn | eval_loss_ratio | {c['eval_loss_ratio']:.3f} | ≤ {TARGETS['eval_loss_ratio']} |",
+            f"| churn | rounds_split | {c['kill']['rounds_split']} | 0 |",
+            f"| churn | modules_reset | {c['kill']['modules_reset']} | 0 |",
+            f"| churn | kills (two at once) | {len(c['kill']['kills'])} ({c['kill']['double_kills']}) | ≥2 |",
+        ]
+    return "\n".join(rows)
+
+
+def write_outputs(out: Path, report: dict) -> str:
+    text = table(report)
+    (out / "goodput.json").write_text(json.dumps(report, indent=2))
+    (out / "goodput.md").write_text(f"# Goodput\n\n{text}\n\nCommand: `{report['command']}`\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    if "rotation" in report:
+        r = report["rotation"]
+        axes[0].bar(["measured", "monitor"], [r["tokens_per_second"], r["monitor_tokens_per_second"]])
+        axes[0].set(title=f"rotation: tokens/s (train fraction {r['train_fraction']:.2f})")
+    if "churn" in report:
+        c = report["churn"]
+        labels = ["clean (start)", "churn", "clean (end)"]
+        values = [c["clean_start"]["tokens_per_second"], c["kill"]["tokens_per_second"],
+                  c["clean_end"]["tokens_per_second"]]  # fmt: skip
+        axes[1].bar(labels, values, color=["C0", "C3", "C0"])
+        axes[1].set(title=f"churn: tokens/s ({len(c['kill']['kills'])} kills)")
+    fig.tight_layout()
+    fig.savefig(out / "goodput.png", dpi=120)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = dict(
+        command="python -m benchmarks.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    if "rotation" in args.arms:
+        print("rotation: 3 peers, 2x2 grid ...", flush=True)
+        report["rotation"] = rotation(args, args.out / "runs" / "rotation")
+        print(f"  {report['rotation']}", flush=True)
+    if "churn" in args.arms:
+        arms = {}
+        for name, kill in (("clean_start", False), ("kill", True), ("clean_end", False)):
+            print(f"churn, {name} ...", flush=True)
+            arms[name] = churn(args, args.out / "runs" / f"churn_{name}", kill)
+            print(f"  { ({k: v for k, v in arms[name].items() if k != 'kills'}) }", flush=True)
+        clean_tps = statistics.fmean(
+            [arms["clean_start"]["tokens_per_second"], arms["clean_end"]["tokens_per_second"]]
+        )
+        clean_loss = statistics.fmean([arms["clean_start"]["eval_loss"], arms["clean_end"]["eval_loss"]])
+        report["churn"] = dict(
+            **arms,
+            tokens_ratio=arms["kill"]["tokens_per_second"] / clean_tps,
+            eval_loss_ratio=arms["kill"]["eval_loss"] / clean_loss,
+            rounds_split=arms["kill"]["rounds_split"],
+            modules_reset=arms["kill"]["modules_reset"],
+        )
+    print(write_outputs(args.out, report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
