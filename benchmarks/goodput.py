@@ -95,10 +95,12 @@ def make_manifest(args: argparse.Namespace, name: str, rounds: int) -> RunManife
     )
 
 
-def peer_argv(args, run: str, folder: Path, rounds: int, peers: int, *extra: str) -> list[str]:
-    return ["--run", run, "--checkpoint_dir", str(folder), "--torch_threads", "1",
-            "--batch_size", str(args.batch_size), "--heartbeat_seconds", "1", "--max_rounds", str(rounds),
-            "--wait_for_peers", str(peers), *extra]  # fmt: skip
+def peer_argv(args, run: str, folder: Path, rounds: int, *extra: str) -> list[str]:
+    """A volunteer's command line: its key and checkpoints in its own folder (a restart is the same
+    peer, as with the Docker image's /data volume)."""
+    return ["--run", run, "--checkpoint_dir", str(folder), "--identity_path", f"{folder}.key",
+            "--torch_threads", "1", "--batch_size", str(args.batch_size), "--heartbeat_seconds", "1",
+            "--max_rounds", str(rounds), *extra]  # fmt: skip
 
 
 def histories(folder: Path, names: list[str]) -> dict[str, tuple[list[dict], dict]]:
@@ -150,7 +152,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
     with LocalSwarm(folder / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
         for name in names:
-            swarm.start_peer(name, peer_argv(args, run, folder / name, args.rounds, len(names)))
+            swarm.start_peer(name, peer_argv(args, run, folder / name, args.rounds, "--wait_for_peers", "3"))
         url = start_monitor(swarm, args, run)
         deadline = time.monotonic() + args.run_timeout_seconds
         while any(swarm.alive(n) for n in names):
@@ -219,10 +221,10 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     started = time.monotonic()
     with LocalSwarm(folder / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
-        argv = {n: peer_argv(args, run, folder / n, args.churn_rounds, len(names), "--path", str(i))
+        argv = {n: peer_argv(args, run, folder / n, args.churn_rounds, "--path", str(i))
                 for i, n in enumerate(names)}  # fmt: skip
-        for name, a in argv.items():
-            swarm.start_peer(name, a)
+        for name, a in argv.items():  # a restarted peer does not wait: the others are training
+            swarm.start_peer(name, [*a, "--wait_for_peers", str(len(names))])
         restarts = dict.fromkeys(names, 0)
         next_kill = time.monotonic() + args.kill_every_seconds
         deadline = time.monotonic() + args.run_timeout_seconds
