@@ -11,7 +11,7 @@ tokens each had trained at each round's end, over the window where all of them w
 `max_round_gap_seconds`: the longest time between two consecutive rounds of one peer.
 
 `churn`: 4 peers, one per path; every `--kill_every_seconds` a random peer (seeded) is SIGKILLed (every
-third time, two at once) and restarted `--restart_after_seconds` later with `--resume`. Against the
+second time, two at once) and restarted `--restart_after_seconds` later with `--resume`. Against the
 same run without kills, run before and after it: `tokens_ratio` (tokens in the peers' final
 checkpoints per wall-clock second, launch to last exit: what a kill loses, restarts and the steps
 since the last checkpoint, counts against it), `eval_loss_ratio` (each peer's global copy of its
@@ -237,7 +237,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
             living = [n for n in names if swarm.alive(n)]
             if len(living) < len(names):  # a peer finished: the end is near, stop killing
                 continue
-            victims = rng.sample(living, 2 if len(kills) % 3 == 2 else 1)
+            victims = rng.sample(living, 2 if len(kills) % 2 == 1 else 1)
             for v in victims:
                 swarm.kill(v, signal.SIGKILL)
             kills.append(dict(peers=victims, at_seconds=round(time.monotonic() - started, 1)))
