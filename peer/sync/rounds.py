@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -49,13 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
-#: once rounds have measured how long gathering every member's Δ takes, a member is waited for at most
-#: this many times the longest of the last `GATHER_HISTORY` such gathers (at least `GATHER_FLOOR`
-#: seconds, at most the averaging timeout): a member that is gone costs a round that much, not a
-#: minute, and a member that is slow every round is still waited for
-GATHER_MULTIPLE = 4.0
-GATHER_FLOOR_SECONDS = 5.0
-GATHER_HISTORY = 8
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
 
@@ -110,15 +102,6 @@ class RoundRunner:
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
-        #: seconds the last rounds took to gather every member's Δ (rounds where all of them came)
-        self._gathers: deque[float] = deque(maxlen=GATHER_HISTORY)
-
-    def gather_budget(self) -> float:
-        """How long a round waits for its members' Δs (see GATHER_MULTIPLE)."""
-        timeout = self.settings.averaging_timeout_seconds
-        if not self._gathers:
-            return timeout
-        return min(timeout, max(GATHER_FLOOR_SECONDS, GATHER_MULTIPLE * max(self._gathers)))
 
     def _keep(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -196,11 +179,7 @@ class RoundRunner:
             admission=token,
         )  # fmt: skip
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
-        started = loop.time()
-        # our sends may take the whole timeout (a slow link carries our Δ); the wait for others is
-        # bounded by what rounds have measured
-        deadline = started + self.settings.averaging_timeout_seconds
-        wait_until = started + self.gather_budget()
+        deadline = loop.time() + self.settings.averaging_timeout_seconds
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
         def gathered(slot) -> bool:
@@ -222,9 +201,7 @@ class RoundRunner:
                 for m in others
             )
 
-        if await inbox.wait(key, gathered, wait_until):
-            if all(m in inbox.slot(key).deliveries for m in others):
-                self._gathers.append(loop.time() - started)
+        await inbox.wait(key, gathered, deadline)
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
