@@ -26,7 +26,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from benchmarks.local_runs import (  # noqa: E402
+    RESET_MARK,
     add_run_args,
+    count_marks,
     final_eval_loss,
     make_manifest,
     peer_argv,
@@ -37,8 +39,6 @@ from peer.cli.local_swarm import LocalSwarm  # noqa: E402
 
 RUN = "chaos"
 PEERS = 4
-#: what a peer logs when it must start a module from initial weights (peer/sync/path_sync.py)
-RESET_MARK = "starts again from its initial weights"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, folder: Path, chaos: bool) -> dict:
         raise RuntimeError(f"peers exited with {bad}: {folder}/logs")
     loss, _ = final_eval_loss(args, manifest, folder / "p0")
     full, partial, sent = _syncs(folder)
-    resets = sum(log.read_text().count(RESET_MARK) for log in (folder / "logs").glob("p*.log"))
+    resets = count_marks(folder / "logs", (RESET_MARK,))
     return dict(
         eval_loss=loss,
         syncs_averaged_by_all=full,

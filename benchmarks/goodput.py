@@ -37,7 +37,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks.local_runs import write_run  # noqa: E402
+from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
 from benchmarks.wan.report import load_weights  # noqa: E402
 from peer.checkpoint import load_latest_checkpoint  # noqa: E402
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm  # noqa: E402
@@ -49,8 +49,6 @@ from peer.model.transformer import PathModel  # noqa: E402
 from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
 
-#: what a peer logs when it must start a module from initial weights (peer/sync/path_sync.py)
-RESET_MARK = "starts again from its initial weights"
 #: what a member logs when the digests in a round's reports show its copy split from the group's
 SPLIT_MARKS = ("(it drifted); repairing it", "merged the diverged copies")
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
@@ -121,10 +119,6 @@ def tokens_at(history: list[dict], t: float) -> float:
                 1e-9, b["time"] - a["time"]
             )
     raise ValueError(f"{t} is outside the history")
-
-
-def count_marks(logs: Path, marks: tuple[str, ...]) -> int:
-    return sum(log.read_text(errors="replace").count(m) for log in logs.glob("p*.log") for m in marks)
 
 
 def start_monitor(swarm: LocalSwarm, args, run: str) -> str:

@@ -16,6 +16,14 @@ from peer.model.grid import ModelConfig
 from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
 
+#: what a peer logs when it must start a module from initial weights (peer/sync/path_sync.py)
+RESET_MARK = "starts again from its initial weights"
+
+
+def count_marks(logs: Path, marks: tuple[str, ...]) -> int:
+    """How often any of `marks` occurs in the peers' logs (`p*.log`, restarted processes' included)."""
+    return sum(log.read_text(errors="replace").count(m) for log in logs.glob("p*.log") for m in marks)
+
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=12, help="outer rounds per run")
