@@ -107,6 +107,21 @@ def checkpoints_by_count(ckpt, module: str) -> dict:
     return out
 
 
+def final_lineage_by_count(ckpt, module: str) -> dict:
+    """The checkpoints of a peer by `module`'s sync count since the count last went down (a peer whose
+    rounds ran away from the others' takes their state, and with it their lower count), the last of
+    each count: the copy this peer ended up keeping."""
+    out: dict = {}
+    for info in list_checkpoints(ckpt):
+        rounds = info.manifest["meta"]["fragment_rounds"].get(module) if info.complete else None
+        if rounds is None:
+            continue
+        if out and rounds[0] < max(out):
+            out = {}
+        out[rounds[0]] = info.path
+    return out
+
+
 def module_tensors(tensors: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
     """One module's shared tensors (global copy and outer momentum) of a checkpoint's tensors."""
     return {k: v for k, v in shared_state(tensors).items() if k.startswith(f"{module}/")}

@@ -13,6 +13,7 @@ from peer.codecs.formats import make_codec
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
 from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
+from peer.sync.strays import StrayWatch
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
 
@@ -304,3 +305,42 @@ def test_rounds_outside_the_window_are_refused(dht_factory):
 
 async def _set_current(member, round_index):
     member.service.inbox.set_current(MODULE, 0, round_index)
+
+
+def test_a_member_whose_rounds_ran_far_ahead_of_most_members_learns_they_lag_and_one_joiner_does_not_say_so(
+    dht_factory,
+):
+    """A lone lineage (a healed partition's half of one) sends a round the others refuse as beyond
+    their lookahead: its result names them as lagging, so `PathSync` takes their state after
+    `STRAY_ROUNDS` such rounds. Where as many members took the round as refused it (a joiner still
+    downloading beside a holder in step), nobody is lagging."""
+    x = torch.full((NUMEL,), 0.01)
+    with sync_group(dht_factory, 4, NUMEL, averaging_timeout=2.0) as members:
+        lone, *rest = members
+        for m in rest:
+            m.service.call(_set_current(m, 5))
+        result = lone.runner.start((MODULE, 0, 12), x, 1.0, [m.peer_id for m in members], "0" * 64)
+        result = result.result(timeout=60)
+        assert result.outcome == "alone"
+        assert result.lagging == sorted(m.peer_id for m in rest), result.dropped
+        assert all(why.startswith("refused (ahead") for why in result.dropped.values())
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=2.0) as members:
+        a, b, joiner = members
+        for m in (a, b):
+            m.service.call(_set_current(m, 7))
+        ids = [m.peer_id for m in members]
+        futures = [m.runner.start((MODULE, 0, 7), x, 1.0, ids, "0" * 64) for m in (a, b)]
+        results = [f.result(timeout=60) for f in futures]
+    assert [r.outcome for r in results] == ["averaged"] * 2, [r.detail for r in results]
+    assert all(r.lagging == [] for r in results)
+    assert all(r.dropped[joiner.peer_id].startswith("refused (ahead") for r in results)
+
+
+def test_a_fragment_strays_only_after_rounds_in_a_row_whose_lagging_members_outnumber_the_rest():
+    watch = StrayWatch(rounds=2)
+    assert not watch.strayed("trunk", 0, ["b", "c"])
+    assert not watch.strayed("trunk", 0, [])  # a round in step starts the count again
+    assert not watch.strayed("trunk", 0, ["b", "c"])
+    assert not watch.strayed("trunk", 1, ["b", "c"])  # fragments count apart
+    assert watch.strayed("trunk", 0, ["b", "c"])
+    assert not watch.strayed("trunk", 0, ["b", "c"])  # and once taken, the count starts again

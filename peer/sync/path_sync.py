@@ -40,6 +40,7 @@ from peer.sync.service import SyncService
 from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_module_state
 from peer.sync.state_transfer import StateHistory, install_state_handlers
+from peer.sync.strays import StrayWatch
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class PathSync:
         self.history = StateHistory()
         self.service: SyncService | None = None
         self._refused_seen: Counter[str] = Counter()
+        self._strays = StrayWatch()
 
     @property
     def outer_round(self) -> int:
@@ -228,6 +230,9 @@ class PathSync:
                 self._merge(ms, fragment, pending.digests[mid], r.merge_with)
             self.outer.apply(pending, mid, r)
             self._applied(ms, fragment, r)
+            if self._strays.strayed(mid, fragment, r.lagging):
+                logger.warning(f"{mid}: our rounds ran away from {len(r.lagging)} holders'; taking theirs")
+                self._behind(ms, r.lagging, confirmed_only=True)
         return FragmentDone(fragment, step, pending.results, self.outer.overlap.tau)
 
     def _applied(self, ms: ModuleSync, fragment: int, result: RoundResult) -> None:
@@ -280,8 +285,8 @@ class PathSync:
             f"({len(set(reported.values()) | {own_digest})} copies); merged those of {len(used)} members",
         )
 
-    def _behind(self, ms: ModuleSync, ahead: list[str]) -> bool:
-        fetched = self.fetch_state(ms, ahead)
+    def _behind(self, ms: ModuleSync, ahead: list[str], confirmed_only: bool = False) -> bool:
+        fetched = self.fetch_state(ms, ahead, confirmed_only)
         if fetched:  # in step again, with the group's views of its members still to settle
             ms.settling = SETTLING_ROUNDS
         if fetched and ms.module_id == TRUNK:
@@ -376,8 +381,9 @@ class PathSync:
                 untaken.append(module)
         return untaken
 
-    def fetch_state(self, ms: ModuleSync, donors: list[str]) -> bool:
-        """Loads a module's state from the first donor whose state a holder with standing confirms."""
+    def fetch_state(self, ms: ModuleSync, donors: list[str], confirmed_only: bool = False) -> bool:
+        """Loads a module's state from the first donor whose state a holder with standing confirms
+        (`confirmed_only`: never a sole voice's, nor an initial state: what a stray lineage yields to)."""
         numels = [t.numel() for t in ms.state_tensors()]
         started = time.monotonic()
         got = fetch_module_state(self.service, ms.module_id, numels, donors, self.manifest.sync)
@@ -392,6 +398,9 @@ class PathSync:
             f"({megabytes / max(seconds, 1e-9):.2f} MB/s)"
         )
         donor = sources[0]
+        if confirmed_only and (not was_confirmed or sum(rounds) == 0):
+            logger.warning(f"{ms.module_id}: {donor}'s state is unconfirmed or untrained; keeping ours")
+            return False
         if not was_confirmed:
             # a swarm of two (a joiner and one holder) has nobody else to ask: not a fault, and nothing
             # the volunteer could act on; a state other holders contradict is refused (and warned of)

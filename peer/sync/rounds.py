@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 RETRY_SECONDS = 0.5
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
+#: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
+FAR_BEHIND = "refused (ahead"
 
 
 @dataclass
@@ -80,6 +82,11 @@ class RoundResult:
     #: the voters' copies differ with no strict majority: merge these (peer -> the digest of the copy
     #: it reported; ours among them if we vote) before applying the round
     merge_with: dict[str, str] = field(default_factory=dict)
+    #: members with standing that refused this round as too far ahead of theirs, outnumbering those
+    #: that took it: our rounds ran away from theirs (a healed partition, a stretch alone). Rounds
+    #: like this in a row make us take their state (`PathSync`): the lone lineage yields, since the
+    #: others can never confirm ours
+    lagging: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,13 @@ class RoundRunner:
         voters = set(self.service.inbox.standing.among([*ahead, *took]))
         return ahead if len(voters & set(ahead)) > len(voters & took) else []
 
+    def _lagging(self, failed: dict[str, str], took: set[str]) -> list[str]:
+        """The members far behind this round (they refused it as ahead of theirs beyond the lookahead),
+        if more members with standing are so than took our Δ; the same count as `_behind`."""
+        lagging = sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND))
+        voters = set(self.service.inbox.standing.among([*lagging, *took]))
+        return lagging if len(voters & set(lagging)) > len(voters & took) else []
+
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:
         inbox = self.service.inbox
         standing = inbox.standing
@@ -319,9 +333,8 @@ class RoundRunner:
                 parts[sender] = got
         dropped = self._dropped(key, members, parts, agreed, caught, failed, slot)
         if not parts:  # nothing the voters agree on: go on with our own
-            return RoundResult(
-                "alone", own, 1, dropped=dropped, detail="no part a majority of voters agreed on"
-            )
+            detail, lagging = "no part a majority of voters agreed on", self._lagging(failed, took)
+            return RoundResult("alone", own, 1, dropped=dropped, detail=detail, lagging=lagging)
         aggregated, taken = await combine(parts, standing, self.settings.aggregator)
         inbox.keep_parts(key, parts)
         inbox.note_accepted(key[0], taken)  # what an authority asks when it weighs a key's probation
@@ -340,7 +353,7 @@ class RoundRunner:
             logger.debug(f"{key}: left out of the average: {dropped}")
         return RoundResult(
             outcome, aggregated, len(parts), members=sorted(parts), dropped=dropped, repair_from=repair,
-            merge_with=merge_with, detail=detail,
+            merge_with=merge_with, detail=detail, lagging=self._lagging(failed, took),
         )  # fmt: skip
 
     def _dropped(self, key, members, parts, agreed, caught, failed, slot) -> dict[str, str]:
