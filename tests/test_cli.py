@@ -177,3 +177,16 @@ def test_a_second_peer_on_a_checkpoint_dir_in_use_refuses_with_one_line(tmp_path
     assert len(lines) == 1 and "in use by another peer" in lines[0], stderr
     # released with its holder: the directory is free again
     CheckpointDirLock(tmp_path / "ckpt").acquire().release()
+
+
+def test_every_invite_code_passes_as_the_value_of_invite_on_a_command_line():
+    """A code that started with "-" (one in 64 of base64url's) read as a flag after --invite: its
+    volunteer's peer stopped with a usage error (it broke the invite test in CI)."""
+    from peer.cli.main import build_parser
+    from peer.swarm.authority import new_invite_code
+
+    parser, _ = build_parser()
+    codes = [new_invite_code() for _ in range(5000)]
+    assert len(set(codes)) == 5000 and all(len(c) >= 22 for c in codes)
+    for code in codes:
+        assert parser.parse_args(["peer", "--run", "r", "--invite", code]).invite == code

@@ -139,3 +139,33 @@ def _wait_prepared(pending) -> None:
     deadline = time.monotonic() + 10
     while any(MODULE not in p.prepared for p in pending) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_served_while_a_round_is_installed_has_that_rounds_tensors_with_that_rounds_count():
+    """A joiner downloads a holder's state on the sync service's thread while the training thread
+    installs a round: what it gets must be one round's tensors with that round's count, or it applies
+    the round again and its copy splits from the group's. The install is held in the middle (while it
+    writes the local parameters) and the state is read then."""
+    ms, _ = _pair(fragments=1)
+    before = ms.snapshot()
+    delta = torch.full((ms.fragment_size(0),), 1e-2)
+    entered, release = threading.Event(), threading.Event()
+    scatter = ms.plan.scatter
+
+    def held_scatter(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return scatter(*args, **kwargs)
+
+    ms.plan.scatter = held_scatter
+    installing = threading.Thread(target=ms.apply, args=(0, delta))
+    installing.start()
+    try:
+        assert entered.wait(10)
+        rounds, tensors = ms.snapshot()
+    finally:
+        release.set()
+        installing.join(10)
+    moved = not torch.equal(tensors[0], before[1][0])
+    assert (rounds, moved) in (([0], False), ([1], True)), (rounds, moved)

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import torch
 
+from peer.sync.agreement import LEFT
 from peer.sync.outer import FragmentDone
-from peer.sync.path_sync import SETTLING_ROUNDS, settle
 from peer.sync.rounds import RoundResult
+from peer.sync.settling import SETTLING_ROUNDS, settle, went_on_without_us
 from peer.training.history import RoundHistory
 
 
@@ -58,3 +59,16 @@ def test_settling_ends_after_a_few_rounds_even_without_a_clean_average():
     assert levels == [logging.INFO] * SETTLING_ROUNDS
     assert settle(ms, _result(dropped={"a": "missing"})) == logging.WARNING
     assert settle(SimpleNamespace(settling=0), _result(dropped={"a": "missing"})) == logging.WARNING
+
+
+def test_a_joiner_whose_holders_decided_its_first_round_without_it_takes_their_copy_not_its_own():
+    """A holder that does not see a joiner's claim yet decides the round alone; the joiner, alone
+    too, would apply its own Δ beside the holder's and their copies would split. While settling, it
+    takes the holders' copy instead; holders that left, or a joiner that settled, change nothing."""
+    joiner = SimpleNamespace(settling=SETTLING_ROUNDS)
+    passed_by = _result("alone", dropped={"b": "missing", "a": "missing"})
+    assert went_on_without_us(joiner, passed_by) == ["a", "b"]
+    assert went_on_without_us(joiner, _result("alone", dropped={"a": LEFT})) == []
+    assert went_on_without_us(joiner, _result("averaged", dropped={"a": "missing"})) == []
+    settled = SimpleNamespace(settling=0)  # a member in step whose group stalled goes on with its own
+    assert went_on_without_us(settled, _result("alone", dropped={"a": "missing"})) == []

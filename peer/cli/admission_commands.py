@@ -10,7 +10,6 @@ Qm…"), offline, for `--admission TOKEN`.
 from __future__ import annotations
 
 import argparse
-import secrets
 from pathlib import Path
 
 from peer.errors import ConfigError
@@ -28,7 +27,7 @@ def add(rsub) -> None:
 
 def cmd_invite(args: argparse.Namespace) -> int:
     from peer.run.record import load_verified_manifest
-    from peer.swarm.authority import code_digest, invites_path, read_invites, write_invites
+    from peer.swarm.authority import code_digest, invites_path, new_invite_code, read_invites, write_invites
 
     if not 1 <= args.count <= 10_000:
         raise ConfigError("--count must be between 1 and 10000")
@@ -38,7 +37,7 @@ def cmd_invite(args: argparse.Namespace) -> int:
         invites = read_invites(path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    codes = [secrets.token_urlsafe(16) for _ in range(args.count)]
+    codes = [new_invite_code() for _ in range(args.count)]
     invites.update({code_digest(c): {"peer_id": None, "used_at": None} for c in codes})
     write_invites(path, invites)
     print("\n".join(codes))

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,6 +53,12 @@ def invites_path(manifest_path: Path) -> Path:
     """Where a run's invite codes are kept: beside its manifest file."""
     manifest_path = Path(manifest_path)
     return manifest_path.with_name(manifest_path.stem + ".invites.json")
+
+
+def new_invite_code() -> str:
+    """A fresh invite code: 128 random bits in hex, so that it never starts with "-" (which a
+    command line would read as a flag after --invite) and survives any copy and paste."""
+    return secrets.token_hex(16)
 
 
 def code_digest(code: str) -> str:

@@ -2,8 +2,8 @@
 deterministic outer step (`module_sync`), robust deterministic aggregation (`aggregate`), the sync
 protocol on hivemind's P2P streams — framing with caps (`wire`), the bounded inbox (`inbox`), the
 service (`service`), one round without matchmaking (`rounds`), state download with confirmation
-(`state_transfer`), a lone lineage yielding to the others' (`strays`) — the Streaming DiLoCo outer
-loop (`outer`), and a peer's sync layer (`path_sync`).
+(`state_transfer`), a joiner's first rounds (`settling`), a lone lineage yielding to the others'
+(`strays`) — the Streaming DiLoCo outer loop (`outer`), and a peer's sync layer (`path_sync`).
 
 May import: the leaves, `dht`, `monitoring`, `peer.model`, `peer.config`. Not `peer.swarm`: what the
 sync layer needs from the swarm's view (holders, donors, planned groups) is handed in.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,9 @@ class ModuleSync:
         #: disagree with the group's: a joiner's first round races the holders' views of the group
         self.settling = 0
         self._digests: list[str | None] = [None] * n_fragments
+        #: a state served to another peer (on the sync service's thread) is one round's tensors with
+        #: that round's count: a round's install or a download changes both under this lock
+        self._lock = threading.Lock()
         #: sparse codecs: per fragment, what this peer's outer gradients did not send yet (local only)
         self.errors: list[torch.Tensor | None] = [None] * n_fragments
 
@@ -166,15 +170,16 @@ class ModuleSync:
         theta, momentum = self.global_flats[fragment], self.momenta[fragment]
         if prepared is None or prepared.theta_before is not theta or prepared.momentum_before is not momentum:
             prepared = self.prepare_step(fragment, delta)
-        self.global_flats[fragment], self.momenta[fragment] = prepared.theta, prepared.momentum
+        with self._lock:
+            self.global_flats[fragment], self.momenta[fragment] = prepared.theta, prepared.momentum
+            self.fragment_rounds[fragment] += 1
+            self._digests[fragment] = prepared.digest
         g = self.global_flats[fragment]
         if alpha == 0.0:
             self.plan.scatter(g, self.local_params, fragment)
         else:
             local = self.plan.gather(self.local_params, fragment)
             self.plan.scatter(alpha * local + (1 - alpha) * g, self.local_params, fragment)
-        self.fragment_rounds[fragment] += 1
-        self._digests[fragment] = prepared.digest
 
     def fragment_copy(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fragment's θ̄ and outer momentum (replaced, never written in place, by a round)."""
@@ -187,9 +192,11 @@ class ModuleSync:
         for t in (theta, momentum):
             if t.numel() != ref.numel() or not torch.isfinite(t).all():
                 raise StateRejected(f"{self.module_id} fragment {fragment}: merged copy of the wrong size")
-        self.global_flats[fragment] = theta.detach().to(torch.float32).reshape(ref.shape).clone()
-        self.momenta[fragment] = momentum.detach().to(torch.float32).reshape(ref.shape).clone()
-        self._digests[fragment] = None
+        theta = theta.detach().to(torch.float32).reshape(ref.shape).clone()
+        momentum = momentum.detach().to(torch.float32).reshape(ref.shape).clone()
+        with self._lock:
+            self.global_flats[fragment], self.momenta[fragment] = theta, momentum
+            self._digests[fragment] = None
 
     @torch.no_grad()
     def load_local_from_global(self) -> None:
@@ -199,6 +206,12 @@ class ModuleSync:
     def state_tensors(self) -> list[torch.Tensor]:
         """What a joiner downloads: θ̄ of every fragment, then their momentum buffers."""
         return [g.detach() for g in self.global_flats] + [m.detach() for m in self.momenta]
+
+    def snapshot(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The fragment rounds and the state tensors of one moment, from any thread: a round's tensors
+        are replaced, never written into, so the references stay whole after the lock is let go."""
+        with self._lock:
+            return list(self.fragment_rounds), self.state_tensors()
 
     def state_metadata(self) -> dict:
         return dict(
@@ -238,11 +251,12 @@ class ModuleSync:
                 raise StateRejected(f"state for {self.module_id}: tensor {i} has NaN or inf")
             if t.numel() and t.abs().max() > max_abs:
                 raise StateRejected(f"state for {self.module_id}: tensor {i} has values beyond {max_abs:g}")
-        self.global_flats = [tensors[f].detach().clone() for f in range(n)]
-        self.momenta = [tensors[n + f].detach().clone() for f in range(n)]
-        self.fragment_rounds = list(rounds)
-        self._digests = [None] * n
-        self.epoch += 1
+        flats = [tensors[f].detach().clone() for f in range(n)]
+        momenta = [tensors[n + f].detach().clone() for f in range(n)]
+        with self._lock:
+            self.global_flats, self.momenta, self.fragment_rounds = flats, momenta, list(rounds)
+            self._digests = [None] * n
+            self.epoch += 1
         self.load_local_from_global()
 
     def named_state(self) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.service import SyncService
+from peer.sync.settling import SETTLING_ROUNDS, settle, went_on_without_us
 from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_module_state
 from peer.sync.state_transfer import StateHistory, install_state_handlers
@@ -47,21 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: module id -> (peer id, module round) of the other ready holders a joiner may download it from
 Donors = dict[str, list[tuple[str, int]]]
-
-#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
-#: the holders see the joiner's claim at different moments, so its first round's group can differ
-#: between members (one averages with it, another without), and the next round's digests repair it
-SETTLING_ROUNDS = 3
-
-
-def settle(ms: ModuleSync, result: RoundResult) -> int:
-    """The log level of a round's dropped members and repair: INFO while the module is settling after
-    a join (the group's views of its members still differ), WARNING for a copy that was in step and
-    then drifted. A clean average ends the settling; each other round shortens it."""
-    level = logging.INFO if ms.settling > 0 else logging.WARNING
-    odd = result.dropped or result.repair_from or result.merge_with
-    ms.settling = 0 if result.outcome == "averaged" and not odd else max(0, ms.settling - 1)
-    return level
 
 
 def _trains(ms: ModuleSync, part: torch.nn.Module) -> bool:
@@ -195,9 +181,7 @@ class PathSync:
         ms = self.syncs.get(module)
         if ms is None:
             return None
-        # apply() replaces the tensors rather than writing into them, so these references stay whole
-        rounds, tensors = list(ms.fragment_rounds), ms.state_tensors()
-        return rounds, tensors
+        return ms.snapshot()
 
     # --- the outer loop ----------------------------------------------------------------------------
 
@@ -225,6 +209,10 @@ class PathSync:
                 self.outer.record(r)
                 if self._behind(ms, r.ahead):
                     logger.info(f"{mid}: other holders were past our round; fetched their state")
+                continue
+            if (unseen := went_on_without_us(ms, r)) and self._behind(ms, unseen):
+                self.outer.record(r)
+                logger.info(f"{mid}: its holders went on without us, just after we joined; took their state")
                 continue
             if r.merge_with:
                 self._merge(ms, fragment, pending.digests[mid], r.merge_with)
