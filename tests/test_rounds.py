@@ -344,3 +344,25 @@ def test_a_fragment_strays_only_after_rounds_in_a_row_whose_lagging_members_outn
     assert not watch.strayed("trunk", 1, ["b", "c"])  # fragments count apart
     assert watch.strayed("trunk", 0, ["b", "c"])
     assert not watch.strayed("trunk", 0, ["b", "c"])  # and once taken, the count starts again
+
+
+def test_a_joiner_whose_holder_decided_the_round_without_it_learns_so_at_once_instead_of_waiting(dht_factory):
+    """A holder that did not see a joiner yet decides its round alone; the joiner's outer gradient
+    for that round then comes too late and is refused as stale, so the joiner is `behind` (it takes
+    the holder's state) at once, not after the averaging timeout waiting for a part that never comes.
+    A member the round counted is still taken late (it applies the aggregate, `excluded`)."""
+    x = torch.full((NUMEL,), 0.01)
+    with sync_group(dht_factory, 2, NUMEL, averaging_timeout=30.0) as members:
+        holder, joiner = members
+        for m in members:
+            m.service.call(_set_current(m, 4))
+        alone = holder.runner.start((MODULE, 0, 4), x, 1.0, [holder.peer_id], "0" * 64).result(timeout=60)
+        assert alone.outcome == "alone"
+        ids = [holder.peer_id, joiner.peer_id]
+        late = joiner.runner.start((MODULE, 0, 4), x, 1.0, ids, "0" * 64).result(timeout=60)
+        assert late.outcome == "behind" and late.ahead == [holder.peer_id], (late.outcome, late.detail)
+        assert late.seconds < 15, late.seconds
+        # a round that counts the joiner takes its part
+        assert send_delta(joiner, holder, fp32_bytes(x), NUMEL, round_index=5).ok
+        nxt = holder.runner.start((MODULE, 0, 5), x, 1.0, ids, "0" * 64).result(timeout=60)
+        assert nxt.outcome == "averaged" and nxt.members == sorted(ids), (nxt.outcome, nxt.detail)

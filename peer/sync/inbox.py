@@ -86,6 +86,10 @@ class _Slot:
     #: senders whose outer gradient we refused (malformed, non-finite, banned): not waited for
     refused: dict[str, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the members our round counted when it was decided (None: not decided): an outer gradient from
+    #: anyone else comes too late to be in it and is refused as stale, so its sender (a holder that
+    #: just joined, whom we did not see yet) stops waiting for ours and takes our state
+    decided_with: frozenset[str] | None = None
 
 
 class Inbox:
@@ -250,8 +254,11 @@ class Inbox:
             raise Refused("dtype", f"codec {header.codec}, the run uses {self.codec.spec.name}")
         if header.numel != numel or header.payload_bytes != self.codec.spec.wire_bytes(numel):
             raise Refused("shape", f"{header.numel} values in {header.payload_bytes} bytes, expected {numel}")
-        if sender in self.slot(key).deliveries:
+        slot = self.slot(key)
+        if sender in slot.deliveries:
             raise Refused("duplicate", "one outer gradient per sender and round")
+        if slot.decided_with is not None and sender not in slot.decided_with:
+            raise Refused("stale", f"round {k.round} was decided here without {sender}")
         return key
 
     def decode(self, header: DeltaHeader, payload: bytes) -> torch.Tensor:

@@ -161,6 +161,7 @@ class RoundRunner:
         # a holder that already sent us its Δ for this round is a member, whatever our view said
         others = sorted({m for m in members if m != self.me} | set(inbox.slot(key).deliveries) - {self.me})
         if not others:
+            inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         failed: dict[str, str] = {}
         took: set[str] = set()  # members that accepted our Δ: they are at this round too
@@ -174,7 +175,9 @@ class RoundRunner:
         # our sends go on until their own deadlines: a member that is late still needs our Δ and
         # report to agree with us (cancelling a report that crossed its twin loses it)
         self._keep(sends)
-        return await self._decide(key, own, members, state_digest, failed, took)
+        result = await self._decide(key, own, members, state_digest, failed, took)
+        slot.decided_with = frozenset([*others, self.me])
+        return result
 
     async def _gather(self, key, own, weight, payload, token, others, failed, took) -> list[asyncio.Task]:
         """Sends our Δ to every other member and waits for theirs (or their absence)."""
