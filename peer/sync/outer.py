@@ -31,6 +31,7 @@ from peer.codecs.formats import make_codec
 from peer.config import RunManifest
 from peer.faults import fault_point
 from peer.sync.fragments import fragments_due, sync_offsets
+from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
 from peer.sync.rounds import RoundResult, RoundRunner
 
@@ -180,14 +181,16 @@ class StreamingOuter:
         group_of: GroupOf | None = None,
         round_of: Callable[[], int] | None = None,
         totals: SyncTotals | None = None,
+        copies: ReportedCopies | None = None,
     ):
         """`runner` runs the rounds, and its codec encodes our outer gradients (None: this peer holds
         its modules alone, every round is its own Δ); `group_of(module, round)` gives this peer's
         planned subgroup of the module's holders (None: all holders average together); `round_of()`
         the swarm's round, which rotates them; `totals` carries on the counts of the path this peer
-        rotated away from."""
+        rotated away from; `copies` keeps the copy each round reports, for members that merge."""
         self.syncs = syncs
         self.runner = runner
+        self.copies = copies
         self.codec = runner.codec if runner is not None else make_codec(manifest.sync.codec)
         self.group_of = group_of
         self.round_of = round_of
@@ -257,17 +260,23 @@ class StreamingOuter:
             delta = ms.corrected_outer_gradient(fragment, self.codec, self.sync.error_feedback_decay)
             members = self.members_of(mid, holders)
             pending.deltas[mid] = delta
-            if len(members) < 2 or self.runner is None:
+            if self.runner is None:
                 pending.results[mid] = RoundResult("alone", delta, 1, detail="no other holder")
                 continue
+            # a round without other members in our view still goes through the runner: a holder we
+            # do not see yet may have sent its part already (it joins the round), and one that sends
+            # it later must hear that the round was decided without it (`Inbox.check_delta_header`)
             payload = None
-            if self.codec.spec.error_feedback:
+            if self.codec.spec.error_feedback and len(members) > 1:
                 # encoded once here: the unsent rest is what these bytes leave out, and the runner
                 # sends exactly them
                 payload = self.codec.encode(delta)
                 pending.sent[mid] = self.codec.decode(payload, delta.numel()).view_as(delta)
             key = (mid, fragment, ms.fragment_rounds[fragment])
             digest = ms.digest(fragment)
+            if self.copies is not None:
+                # kept before the round starts: a fast member may ask for it before this call returns
+                self.copies.remember(mid, fragment, digest, ms.fragment_copy(fragment))
             started.append((ms, fragment, digest))
             pending.epochs[mid] = ms.epoch
             pending.digests[mid] = digest

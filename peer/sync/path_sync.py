@@ -163,7 +163,7 @@ class PathSync:
         runner = RoundRunner(self.service, codec, settings)
         self.outer = StreamingOuter(
             self.syncs, self.manifest, self.peer_id, self.metrics, runner, self._group_of, self._round_of,
-            self._totals,
+            self._totals, self.copies,
         )  # fmt: skip
         self.outer.reset_tokens(self._tokens_total)
         self.align()
@@ -187,10 +187,8 @@ class PathSync:
 
     def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
         """One inner step done: starts the fragment syncs due now, and finishes those whose τ ran out."""
-        for ms, fragment, digest in self.outer.tick(tokens_total, holders):
-            # every member may download the copy we report in this round to merge it
-            self.copies.forget_old()
-            self.copies.remember(ms.module_id, fragment, digest, ms.fragment_copy(fragment))
+        self.copies.forget_old()
+        self.outer.tick(tokens_total, holders)  # keeps the copy each round reports, for merges
         return [self._finish(p, step) for p in self.outer.due()]
 
     def drain(self, step: int) -> list[FragmentDone]:

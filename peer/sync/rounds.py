@@ -150,6 +150,11 @@ class RoundRunner:
     async def _round(self, key, own, weight, members, state_digest, payload):
         loop = asyncio.get_running_loop()
         inbox = self.service.inbox
+        # a holder that already sent us its Δ for this round is a member, whatever our view said
+        others = sorted({m for m in members if m != self.me} | set(inbox.slot(key).deliveries) - {self.me})
+        if not others:
+            inbox.slot(key).decided_with = frozenset([self.me])
+            return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         token = inbox.standing.own_token
         if payload is None:
             payload = await loop.run_in_executor(None, self.codec.encode, own)
@@ -157,12 +162,9 @@ class RoundRunner:
         mine = Delivery(
             self.me, weight, digest, self.codec.decode(payload, own.numel()), len(payload), token, payload
         )
+        # a round we ran before a download set our state back to it: this run's part replaces that one's
+        inbox.slot(key).deliveries.pop(self.me, None)
         inbox.add_delivery(key, mine)
-        # a holder that already sent us its Δ for this round is a member, whatever our view said
-        others = sorted({m for m in members if m != self.me} | set(inbox.slot(key).deliveries) - {self.me})
-        if not others:
-            inbox.slot(key).decided_with = frozenset([self.me])
-            return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         failed: dict[str, str] = {}
         took: set[str] = set()  # members that accepted our Δ: they are at this round too
         sends = await self._gather(key, own, weight, payload, token, others, failed, took)
@@ -238,7 +240,11 @@ class RoundRunner:
         targets = sorted(r for r in slot.reports.reports if r != self.me and r in received)
         echo_deadline = loop.time() + self.settings.report_timeout_seconds
         sends += [asyncio.create_task(self._echo(m, echo_frames, echo_deadline, key)) for m in targets]
-        await inbox.wait(key, lambda slot: all(m in slot.echoes for m in targets), echo_deadline)
+        # a member echoes only to those whose part it received: one whose report leaves ours out (it
+        # gathered before our part came) sends us no echo, and waiting for it would only cost time
+        reports = slot.reports.reports
+        echoing = [m for m in targets if self.me in reports[m].received]
+        await inbox.wait(key, lambda slot: all(m in slot.echoes for m in echoing), echo_deadline)
         return sends
 
     async def _echo(self, member: str, frames, deadline: float, key: Key) -> None:
@@ -279,6 +285,7 @@ class RoundRunner:
             # "ahead": the member is behind and catching up; "not_holder": its claim view has not seen
             # our claim yet (it refreshes every heartbeat): both will take our Δ in a moment
             waiting = ack.reason.startswith(("ahead", "not_holder"))
+            logger.debug(f"{key}: {member} refused our frames ({ack.reason}), retrying: {waiting}")
             if waiting and deadline - loop.time() > RETRY_SECONDS:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
