@@ -208,8 +208,11 @@ class PathSync:
                 if self._behind(ms, r.ahead):
                     logger.info(f"{mid}: other holders were past our round; fetched their state")
                 continue
-            if (unseen := went_on_without_us(ms, r)) and self._behind(ms, unseen):
+            if (unseen := went_on_without_us(ms, r)) and self.fetch_state(ms, unseen):
                 self.outer.record(r)
+                ms.settling -= 1  # not armed again: holders that never answer must not loop us here
+                if mid == TRUNK:
+                    self.align()
                 logger.info(f"{mid}: its holders went on without us, just after we joined; took their state")
                 continue
             if r.merge_with:
@@ -249,8 +252,8 @@ class PathSync:
         coro = merged_copy(self.service, ms.module_id, fragment, own, own_digest, reported, timeout)
         try:
             (theta, momentum), used = self.service.call(coro, timeout + 30)
-            if not used:
-                logger.warning(f"{ms.module_id} fragment {fragment}: no copy to merge came; keeping ours")
+            if all(reported.get(p) == own_digest for p in used):  # only copies like ours came
+                logger.warning(f"{ms.module_id} fragment {fragment}: no other copy came; keeping ours")
                 return
             ms.load_fragment_copy(fragment, theta, momentum)
             logger.info(
