@@ -369,13 +369,16 @@ class Peer:
         # the modules we leave: their other holders' rounds must not wait for us from now on
         self.sync.say_bye(dropped, self.membership.holders())
         self.membership.move_to(new_path)
+        moved_at = time.monotonic()
         self.path = new_path
         self._build_model(kept=old_model, kept_sync=old_sync)
         # the next sync's weight counts the tokens trained on this path, not those since the start
         self.sync.reset_tokens(self.tokens_total)
         self._join_path(old_sync.service)
-        # No wait for the other holders to see our claim: until they do, a round of theirs that
-        # decides without us refuses our part as stale and we take their copy (`peer.sync.settling`)
+        # The other holders accept our outer gradients once their claim views (renewed every
+        # heartbeat) show our new claim: give them two heartbeats before our first sync on this path
+        # (rounds usually take far longer; this matters to short rounds).
+        self.stop_requested.wait(max(0.0, moved_at + 2 * self.config.heartbeat_seconds - time.monotonic()))
         self.membership.start_path()
         logger.info(f"training path {rotation.target} {self.path}: modules {self.model.module_ids}")
 
