@@ -294,22 +294,21 @@ class RoundRunner:
         if inbox:
             self.service.inbox.slot(key).changed.set()
 
+    def _outnumber(self, group: list[str], took: set[str]) -> list[str]:
+        """`group` if more of its members have standing than members that took our Δ (which says
+        they are at this round), else []: one key answering anything is not followed, and members
+        that did not answer at all decide nothing."""
+        voters = set(self.service.inbox.standing.among([*group, *took]))
+        return group if group and len(voters & set(group)) > len(voters & took) else []
+
     def _behind(self, failed: dict[str, str], took: set[str]) -> list[str]:
-        """The members past this round, if more members with standing say so than took our Δ (which
-        says they are at this round): one key answering "stale" to everything is left out of the
-        round, not followed, and members that did not answer at all decide nothing."""
-        ahead = sorted(m for m, why in failed.items() if why == "ahead")
-        if not ahead:
-            return []
-        voters = set(self.service.inbox.standing.among([*ahead, *took]))
-        return ahead if len(voters & set(ahead)) > len(voters & took) else []
+        """The members past this round (they answered "stale"), if they outnumber those at it."""
+        return self._outnumber(sorted(m for m, why in failed.items() if why == "ahead"), took)
 
     def _lagging(self, failed: dict[str, str], took: set[str]) -> list[str]:
-        """The members far behind this round (they refused it as ahead of theirs beyond the lookahead),
-        if more members with standing are so than took our Δ; the same count as `_behind`."""
-        lagging = sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND))
-        voters = set(self.service.inbox.standing.among([*lagging, *took]))
-        return lagging if len(voters & set(lagging)) > len(voters & took) else []
+        """The members far behind this round (they refused it as beyond their lookahead), if they
+        outnumber those at it."""
+        return self._outnumber(sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND)), took)
 
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:
         inbox = self.service.inbox
