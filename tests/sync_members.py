@@ -14,6 +14,7 @@ from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.inbox import Inbox
 from peer.sync.rounds import RoundRunner, RoundSettings
+from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.standing import Standing
 from peer.sync.wire import Kind
@@ -29,6 +30,8 @@ class Member:
     service: SyncService
     runner: RoundRunner
     key: RSAPrivateKey
+    dht: object = None
+    group: GroupSettings | None = None
 
     @property
     def peer_id(self) -> str:
@@ -37,6 +40,45 @@ class Member:
     @property
     def token(self) -> str:
         return self.service.inbox.standing.own_token
+
+
+@dataclass
+class GroupSettings:
+    """What every member of a test group shares (see `sync_group`)."""
+
+    numel: int
+    codec: str
+    aggregator: str
+    averaging_timeout: float
+    report_timeout: float
+    max_delta_norm: float
+    left: set[str]
+    fragments: int
+    mode: str
+    tokens: dict[str, str]  # the claim view's tokens
+
+
+def make_member(
+    dht, key, group: GroupSettings, admitted: bool = False, sent: SentRounds | None = None
+) -> Member:
+    """One member on a started DHT node (`sent`: its record of rounds sent, as a restarted peer reads it)."""
+    check = AdmissionCheck(RUN_ID, CREATOR.get_public_key().to_bytes())
+    c = make_codec(group.codec)
+    standing = Standing(check, group.mode, lambda peer: group.tokens.get(peer, ""))
+    left = group.left
+    inbox = Inbox(
+        {MODULE: [group.numel] * group.fragments}, c, lambda peer, module: peer not in left, 32,
+        group.max_delta_norm, standing,
+    )  # fmt: skip
+    service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30, key=key)
+    if admitted:
+        standing.own_token = group.tokens[service.peer_id] = sign_admission(
+            CREATOR, RUN_ID, service.peer_id, "invite"
+        )
+    settings = RoundSettings(
+        group.averaging_timeout, group.report_timeout, AggregatorConfig(method=group.aggregator)
+    )
+    return Member(service, RoundRunner(service, c, settings, sent), key, dht, group)
 
 
 @contextmanager
@@ -53,31 +95,26 @@ def sync_group(
     fragments: int = 1,
     admitted: list[int] | None = None,
     mode: str = "open",
+    identity_paths: dict[int, str] | None = None,
+    sent: dict[int, SentRounds] | None = None,
 ):
     """n members holding one module of `fragments` fragments of `numel` numbers each; every member counts the
     others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
     leaving claims). The members whose indices are in `admitted` hold the creator's admission (the
-    others are on probation: nobody is admitted unless the test says so)."""
-    left = set() if left is None else left
+    others are on probation: nobody is admitted unless the test says so). Member i's identity is kept
+    in `identity_paths[i]` where given (so a test can restart it), and its record of rounds sent in
+    `sent[i]`."""
+    group = GroupSettings(
+        numel, codec, aggregator, averaging_timeout, report_timeout, max_delta_norm,
+        set() if left is None else left, fragments, mode, {},
+    )  # fmt: skip
     members: list[Member] = []
-    tokens: dict[str, str] = {}  # the claim view's tokens
-    check = AdmissionCheck(RUN_ID, CREATOR.get_public_key().to_bytes())
     try:
         for i in range(n):
-            dht, key = dht_factory()
-            c = make_codec(codec)
-            standing = Standing(check, mode, lambda peer: tokens.get(peer, ""))
-            inbox = Inbox(
-                {MODULE: [numel] * fragments}, c, lambda peer, module: peer not in left, 32, max_delta_norm,
-                standing,
-            )  # fmt: skip
-            service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30, key=key)
-            if admitted is not None and i in admitted:
-                standing.own_token = tokens[service.peer_id] = sign_admission(
-                    CREATOR, RUN_ID, service.peer_id, "invite"
-                )
-            settings = RoundSettings(averaging_timeout, report_timeout, AggregatorConfig(method=aggregator))
-            members.append(Member(service, RoundRunner(service, c, settings), key))
+            path = (identity_paths or {}).get(i)
+            dht, key = dht_factory(identity_path=path) if path else dht_factory()
+            admit = admitted is not None and i in admitted
+            members.append(make_member(dht, key, group, admit, (sent or {}).get(i)))
         yield members
     finally:
         for m in members:

@@ -15,7 +15,7 @@ from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
 from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
 from peer.sync.strays import StrayWatch
 from peer.sync.wire import Kind
-from tests.sync_members import MODULE, RUN_ID, fp32_bytes, run_round, send_delta, sync_group
+from tests.sync_members import MODULE, RUN_ID, fp32_bytes, make_member, run_round, send_delta, sync_group
 
 pytestmark = pytest.mark.swarm
 
@@ -366,3 +366,80 @@ def test_a_joiner_whose_holder_decided_the_round_without_it_learns_so_at_once_in
         assert send_delta(joiner, holder, fp32_bytes(x), NUMEL, round_index=5).ok
         nxt = holder.runner.start((MODULE, 0, 5), x, 1.0, ids, "0" * 64).result(timeout=60)
         assert nxt.outcome == "averaged" and nxt.members == sorted(ids), (nxt.outcome, nxt.detail)
+
+
+def test_a_peer_restarted_mid_round_never_signs_a_second_report_for_it_and_is_not_banned(
+    dht_factory, tmp_path
+):
+    """A member killed after it sent its part and report, restarted (same key, its record of sent
+    rounds read back from disk) while the others still wait for a fourth member, would send a new
+    part and sign a new report for the same round: the others would catch it equivocating and ban it
+    for BAN_SECONDS. It sits the round out instead and takes the holders' state; the others count the
+    part of its first life."""
+    from peer.sync.sent_rounds import SentRounds
+
+    deltas = deltas_for(3, seed=11)
+    key = (MODULE, 0, 0)
+    paths, sent = {2: str(tmp_path / "c.key")}, {2: SentRounds(tmp_path, RUN_ID)}
+    with sync_group(
+        dht_factory, 4, NUMEL, averaging_timeout=12.0, identity_paths=paths, sent=sent
+    ) as members:
+        a, b, c, silent = members
+        everyone = [m.peer_id for m in members]
+        futures = [
+            m.runner.start(key, d, 1.0, everyone, "0" * 64) for m, d in zip((a, b), deltas, strict=False)
+        ]
+        # c does not see the silent member: it gathers, reports and decides while a and b still wait
+        c_ids = [a.peer_id, b.peer_id, c.peer_id]
+        assert c.runner.start(key, deltas[2], 1.0, c_ids, "0" * 64).result(timeout=60).outcome == "averaged"
+        assert c.peer_id in a.service.call(_reports_of(a, key))
+        # killed, and restarted from a checkpoint taken before the round
+        c.service.shutdown()
+        c.dht.shutdown()
+        dht, again_key = dht_factory(identity_path=str(tmp_path / "c.key"))
+        again = make_member(dht, again_key, c.group, sent=SentRounds(tmp_path, RUN_ID))
+        members[2] = again  # shut down at the group's end
+        assert again.peer_id == c.peer_id
+        redo = again.runner.start(key, deltas[2] * 3, 1.0, c_ids, "0" * 64).result(timeout=60)
+        results = [f.result(timeout=60) for f in futures]
+    assert redo.outcome == "behind" and sorted(redo.ahead) == sorted([a.peer_id, b.peer_id]), redo
+    for r in results:
+        assert r.outcome == "averaged" and r.dropped == {silent.peer_id: "missing"}, (r.outcome, r.dropped)
+        assert torch.allclose(r.delta, sum(deltas) / 3, atol=1e-6)
+    assert not a.service.inbox.banned(c.peer_id) and not b.service.inbox.banned(c.peer_id)
+
+
+async def _reports_of(member, key) -> list[str]:
+    return list(member.service.inbox.slot(key).reports.reports)
+
+
+def test_a_member_killed_after_it_took_our_part_is_not_waited_for_until_the_timeout(dht_factory):
+    """It took our outer gradients, then died without a word (no part, no leaving claim): the others
+    ask whether it still answers, its host refuses the connection, and they end the round at once,
+    not at the averaging timeout (the goodput churn runs spent most of their time in such waits)."""
+    deltas = deltas_for(3, seed=13)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
+        ids = [m.peer_id for m in members]
+        dead = members[2]
+        started = time.monotonic()
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members[:2], deltas, strict=False)
+        ]
+        wait_until = time.monotonic() + 20
+        while any(dead.service.call(_delivered(dead, m.peer_id)) is False for m in members[:2]):
+            assert time.monotonic() < wait_until, "the parts never reached the member about to die"
+            time.sleep(0.1)
+        dead.service.shutdown()
+        dead.dht.shutdown()
+        members.remove(dead)
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"]
+    assert all(r.dropped.get(dead.peer_id, "").startswith("unreachable") for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert seconds < 15.0, seconds  # probes every PROBE_SECONDS; the averaging timeout is 40 s
+
+
+async def _delivered(member, sender) -> bool:
+    return sender in member.service.inbox.slot((MODULE, 0, 0)).deliveries

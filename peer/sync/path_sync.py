@@ -36,6 +36,7 @@ from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
 from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
+from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.settling import SETTLING_ROUNDS, settle, went_on_without_us
 from peer.sync.standing import Standing
@@ -129,9 +130,11 @@ class PathSync:
         service: SyncService | None = None,
         key: RSAPrivateKey | None = None,
         standing: Standing | None = None,
+        sent: SentRounds | None = None,
     ) -> None:
         """Opens this peer's end of the protocol (call once the modules hold their starting state):
-        `key` signs our reports, `standing` says whose votes count. After a rotation, `service` is the
+        `key` signs our reports, `standing` says whose votes count, `sent` keeps the rounds we sent
+        parts for (across restarts). After a rotation, `service` is the
         old path's: the peer keeps its P2P stream handler (the daemon does not reliably route a
         protocol re-registered by another replica) and its inbox's bans and pending deliveries; only
         the modules the inbox accepts change."""
@@ -160,7 +163,7 @@ class PathSync:
             method=sync.aggregator, weight_cap=sync.weight_cap, norm_cap=sync.norm_cap
         )
         settings = RoundSettings(sync.averaging_timeout_seconds, sync.report_timeout_seconds, aggregator)
-        runner = RoundRunner(self.service, codec, settings)
+        runner = RoundRunner(self.service, codec, settings, sent)
         self.outer = StreamingOuter(
             self.syncs, self.manifest, self.peer_id, self.metrics, runner, self._group_of, self._round_of,
             self._totals, self.copies,

@@ -41,6 +41,7 @@ from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.reports import sign_report
+from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.wire import Kind
 
@@ -48,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
+#: how often a member whose part we still wait for is asked whether it answers at all, and how long
+#: an answer may take: a peer killed after it took our part sends nothing and says nothing, and its
+#: host refuses the connection at once; a slow answer is no verdict (a busy peer is not a gone one)
+PROBE_SECONDS = 2.0
+PROBE_TIMEOUT_SECONDS = 5.0
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
 #: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
@@ -101,10 +107,14 @@ class RoundSettings:
 class RoundRunner:
     """Runs rounds on a `SyncService`'s loop for one peer."""
 
-    def __init__(self, service: SyncService, codec: Codec, settings: RoundSettings):
+    def __init__(
+        self, service: SyncService, codec: Codec, settings: RoundSettings, sent: SentRounds | None = None
+    ):
         self.service = service
         self.codec = codec
         self.settings = settings
+        #: the rounds we sent a part for, this life and (kept on disk) earlier ones
+        self.sent = sent if sent is not None else SentRounds(None)
         self.me = service.peer_id
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
@@ -155,9 +165,13 @@ class RoundRunner:
         if not others:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
+        if self.sent.sent_before_start(*key):
+            return await self._sit_out(key, own, others)
         token = inbox.standing.own_token
         if payload is None:
             payload = await loop.run_in_executor(None, self.codec.encode, own)
+        # on disk before the part leaves: a restart must never send and sign this round again
+        await loop.run_in_executor(None, self.sent.record, *key)
         digest = delivery_digest(weight, token, payload)
         mine = Delivery(
             self.me, weight, digest, self.codec.decode(payload, own.numel()), len(payload), token, payload
@@ -180,6 +194,22 @@ class RoundRunner:
         result = await self._decide(key, own, members, state_digest, failed, took)
         slot.decided_with = frozenset([*others, self.me])
         return result
+
+    async def _sit_out(self, key: Key, own: torch.Tensor, others: list[str]) -> RoundResult:
+        """A round an earlier life of this peer sent its part and report for (it was killed mid-round):
+        another report would be an equivocation. Sends nothing, waits until the others are past the
+        round (a part of theirs for the next one came) or could be (the round's deadlines passed),
+        and says we are behind them: their state is fetched."""
+        inbox = self.service.inbox
+        later = (key[0], key[1], key[2] + 1)
+        deadline = asyncio.get_running_loop().time() + (
+            self.settings.averaging_timeout_seconds + self.settings.report_timeout_seconds
+        )
+        await inbox.wait(later, lambda slot: any(s != self.me for s in slot.deliveries), deadline)
+        logger.info(f"{key}: we sent this round's part before a restart; taking the holders' state instead")
+        return RoundResult(
+            "behind", own, 1, detail="sent before a restart", ahead=list(others), members=[self.me]
+        )
 
     async def _gather(self, key, own, weight, payload, token, others, failed, took) -> list[asyncio.Task]:
         """Sends our Δ to every other member and waits for theirs (or their absence)."""
@@ -213,8 +243,37 @@ class RoundRunner:
                 for m in others
             )
 
-        await inbox.wait(key, gathered, deadline)
+        probe = asyncio.create_task(self._probe(key, others, failed, deadline))
+        try:
+            await inbox.wait(key, gathered, deadline)
+        finally:
+            probe.cancel()
         return sends
+
+    async def _probe(self, key: Key, others: list[str], failed: dict[str, str], deadline: float) -> None:
+        """Every PROBE_SECONDS, asks each member whose part has not come whether it still answers (a
+        standing query: one small frame and an ACK); one whose host refuses us is not waited for."""
+        loop = asyncio.get_running_loop()
+        slot = self.service.inbox.slot(key)
+        query = wire.StandingQuery(run=self.service.run, module=key[0], peer=self.me)
+        frames = [wire.pack_header(Kind.STANDING, query)]
+
+        async def ask(member: str) -> None:
+            try:
+                await self.service.request(member, frames, PROBE_TIMEOUT_SECONDS)
+            except TimeoutError:
+                return
+            except Exception as e:  # the dial failed or the stream was reset: nobody is there
+                if member not in slot.deliveries:
+                    failed.setdefault(member, f"unreachable (stopped answering: {type(e).__name__})")
+                    slot.changed.set()
+
+        while loop.time() + PROBE_SECONDS < deadline:
+            await asyncio.sleep(PROBE_SECONDS)
+            waiting = [
+                m for m in others if m not in slot.deliveries and m not in slot.refused and m not in failed
+            ]
+            await asyncio.gather(*(ask(m) for m in waiting))
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
         """Signs and sends our report, waits for the others', then relays every report we hold."""

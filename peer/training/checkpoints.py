@@ -21,6 +21,7 @@ from peer.config import PeerConfig
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
 from peer.sync.path_sync import PathSync
+from peer.sync.sent_rounds import SentRounds
 from peer.training.history import RoundHistory
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class PeerCheckpoints:
         #: the step of the last checkpoint written (-1: none): rotation and close skip a repeat
         self.saved_step = -1
         self._lock: CheckpointDirLock | None = None
+        self._sent: SentRounds | None = None
 
     def lock(self) -> None:
         """Takes the directory (before anything joins: a second peer here stops at once)."""
@@ -57,6 +59,12 @@ class PeerCheckpoints:
     def release(self) -> None:
         if self._lock is not None:
             self._lock.release()
+
+    def sent_rounds(self, run_id: str) -> SentRounds:
+        """The rounds this peer sent parts for, in this directory (read once per life, at first use)."""
+        if self._sent is None:
+            self._sent = SentRounds(self.config.checkpoint_dir, run_id)
+        return self._sent
 
     def load(self, run_id: str) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The latest checkpoint (tensors, meta), None if there is none; refuses another run's."""

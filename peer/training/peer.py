@@ -210,7 +210,8 @@ class Peer:
         """Opens our path's sync layer (on the old path's `service` after a rotation), downloads the
         modules whose holders (or keepers) are ahead of us and reads the path's data shard: at
         start-up and after a rotation."""
-        self.sync.start(self.dht, self.membership.is_holder, service, self.key, self.membership.standing)
+        ms, sent = self.membership, self.checkpoints.sent_rounds(self.manifest.run_id)
+        self.sync.start(self.dht, ms.is_holder, service, self.key, ms.standing, sent)
         downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         if downloaded:
