@@ -248,3 +248,31 @@ def test_rounds_sent_are_on_disk_for_the_next_life_and_another_runs_or_a_broken_
     (tmp_path / FILE_NAME).write_text('{"run": "run-a", "sent": {"l0m0/1": "seven"}}')
     with pytest.raises(ConfigError, match=FILE_NAME):
         SentRounds(tmp_path, "run-a")
+
+
+def test_a_sparse_peers_unsent_error_feedback_is_in_its_checkpoint_and_back_after_a_resume(tmp_path):
+    """What the sparse codec has not sent yet is the sender's own rest of earlier outer gradients: a
+    restart that dropped it would lose that part of the peer's training for good (issue 32)."""
+    from peer.config import OuterOptimizerConfig
+    from peer.model.grid import ModelConfig
+    from peer.model.transformer import PathModel
+    from peer.sync.module_sync import ModuleSync, StateRejected
+
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=2)
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+
+    def module_sync(seed: int) -> ModuleSync:
+        return ModuleSync(cfg, "l0m0", PathModel(cfg, (0, 0), seed=seed).parts["l0m0"], outer, 2)
+
+    before = module_sync(1)
+    corrected = torch.randn(before.fragment_size(1), generator=torch.Generator().manual_seed(3))
+    before.settle_feedback(1, corrected, torch.where(corrected.abs() > 1.5, corrected, 0.0))
+    assert before.errors[0] is None and before.errors[1] is not None
+    save_checkpoint(tmp_path, before.named_state(), {"step": 1})
+    tensors, _ = load_latest_checkpoint(tmp_path)
+    after = module_sync(2)
+    after.load_named_state(tensors, [4, 3])
+    assert after.errors[0] is None and torch.equal(after.errors[1], before.errors[1])
+    tensors["l0m0/error/f1"] = tensors["l0m0/error/f1"][:5]
+    with pytest.raises(StateRejected, match="error feedback"):
+        module_sync(2).load_named_state(tensors, [4, 3])

@@ -260,14 +260,17 @@ class ModuleSync:
         self.load_local_from_global()
 
     def named_state(self) -> dict[str, torch.Tensor]:
-        """For checkpoints: the global copy per parameter (readable without the fragment plan), and
-        the outer momentum per fragment."""
+        """For checkpoints: the global copy per parameter (readable without the fragment plan), the
+        outer momentum per fragment, and the error feedback's unsent rest per fragment that has one
+        (a sparse peer restarted without it would lose what it has not sent yet)."""
         out = {
             f"{self.module_id}/global/{name}": t
             for name, t in zip(self.names, self.plan.join(self.global_flats), strict=True)
         }
         for f in range(self.n_fragments):
             out[f"{self.module_id}/momentum/f{f}"] = self.momenta[f].detach()
+            if self.errors[f] is not None:
+                out[f"{self.module_id}/error/f{f}"] = self.errors[f].detach()
         return out
 
     def load_named_state(self, tensors: dict[str, torch.Tensor], fragment_rounds: list[int]) -> None:
@@ -278,3 +281,10 @@ class ModuleSync:
             raise StateRejected(f"checkpoint lacks {e.args[0]}") from None
         flats = [self.plan.gather(params, f) for f in range(self.n_fragments)]
         self.load_state(dict(module=self.module_id, fragment_rounds=list(fragment_rounds)), flats + momenta)
+        for f in range(self.n_fragments):
+            e = tensors.get(f"{self.module_id}/error/f{f}")  # absent: nothing unsent (or an older checkpoint)
+            if e is not None and (e.shape != flats[f].shape or not torch.isfinite(e).all()):
+                raise StateRejected(
+                    f"checkpoint's error feedback of {self.module_id} fragment {f} is malformed"
+                )
+            self.errors[f] = None if e is None else e.float().clone()
