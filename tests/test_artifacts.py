@@ -31,9 +31,9 @@ def swarm(dht_factory, tmp_path):
     """make(name) -> (dht, key, ArtifactService) on a fresh node of one run; all shut down after."""
     services = []
 
-    def make(name: str):
+    def make(name: str, limits=None):
         dht, key = dht_factory(run_name=RUN, run_id=RUN_ID)
-        service = ArtifactService(dht, ArtifactStore(tmp_path / name))
+        service = ArtifactService(dht, ArtifactStore(tmp_path / name), limits)
         services.append(service)
         return dht, key, service
 
@@ -136,3 +136,22 @@ def test_a_reference_whose_chunk_list_cannot_travel_in_one_message_is_refused():
     assert ArtifactRef(size_bytes=64 << 30, chunk_bytes=1 << 20, **fields).n_chunks == 65536
     with pytest.raises(ValueError, match="would not fit one message"):
         ArtifactRef(size_bytes=1 << 30, chunk_bytes=4096, **fields)  # 262,144 chunks: an 8 MiB list
+
+
+def test_a_source_over_its_upload_limits_answers_busy_and_the_fetcher_waits_its_turn(swarm, original):
+    """Chunks go out at the source's rate for the asker (here 4 chunks a second): a fetcher that
+    asks faster is told "busy" (nothing uploaded), waits and asks again, and gets the whole artifact."""
+    import time
+
+    from dht.serve_limits import ServeLimits, ServeLimitSettings
+
+    limits = ServeLimits(ServeLimitSettings(1e9, 8, 4 * CHUNK, 4, 1.0))
+    creator_dht, creator_key, creator = swarm("creator", limits)
+    ref = creator.store.add_file(original, "base", CHUNK)
+    creator.offer(ref)
+    _, _, b = swarm("b")
+    started = time.monotonic()
+    path = b.fetch(ref, [creator.peer_id], progress=False)
+    assert path.read_bytes() == original.read_bytes()
+    assert limits.refused.get("asker_rate", 0) > 0 and creator.chunks_served == ref.n_chunks
+    assert time.monotonic() - started > (21 - 4) / 4 * 0.8  # the rate held: 21 chunks, 4 a second

@@ -19,7 +19,13 @@ from peer.sync.inbox import Inbox
 from peer.sync.service import SyncService
 from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_confirmed
-from peer.sync.state_transfer import StateHistory, confirmed, digests_of, install_state_handlers
+from peer.sync.state_transfer import (
+    StateHistory,
+    confirmed,
+    digests_of,
+    download_range,
+    install_state_handlers,
+)
 from peer.sync.wire import Kind
 from tests.sync_members import CREATOR, MODULE, RUN_ID
 
@@ -236,3 +242,31 @@ def test_strangers_ahead_of_admitted_holders_neither_set_nor_confirm_a_joiners_s
     assert got is not None and got.confirmed and got.rounds == ROUNDS
     assert set(got.donors) <= {s.peer_id for s in admitted}
     assert all(torch.equal(a, b) for a, b in zip(got.tensors, honest, strict=True))
+
+
+def test_a_holder_serves_a_peer_asking_for_its_state_again_and_again_only_at_that_peers_rate(dht_factory):
+    """A 100-byte request must not buy a whole state upload whenever the asker likes: beyond its own
+    rate (here one state per second) the holder answers "busy" at once and uploads nothing."""
+    from dht.serve_limits import ServeLimits, ServeLimitSettings
+
+    tensors = [torch.randn(n) for n in NUMELS]
+    state_bytes = 4 * sum(NUMELS)
+    limits = ServeLimits(ServeLimitSettings(1e9, 8, state_bytes, 4, 0.5))
+    holder = _service(dht_factory)
+    history = StateHistory()
+    history.record(MODULE, ROUNDS, digests_of(tensors))
+    install_state_handlers(holder, lambda m: (ROUNDS, tensors) if m == MODULE else None, history, limits)
+    asker = _service(dht_factory)
+
+    def ask():
+        return asker.call(download_range(asker, holder.peer_id, MODULE, NUMELS, 0, sum(NUMELS), 10), 30)
+
+    rounds, numbers = ask()
+    assert rounds == ROUNDS and numbers.tobytes() == torch.cat(tensors).numpy().tobytes()
+    ask()  # the first second's tokens, then in debt by one state
+    sent = holder.bytes_sent
+    with pytest.raises(wire.WireError, match="busy: over"):
+        ask()
+    assert holder.bytes_sent - sent < 1000  # the refusal, not the state
+    time.sleep(2.2)  # the debt paid at one state per second
+    assert ask()[0] == ROUNDS

@@ -31,6 +31,7 @@ from dht.keys import ARTIFACTS_TTL_SECONDS, artifacts_key
 from dht.p2p_handler import P2PHandler
 from dht.records import read_records, store_record
 from dht.schema import ArtifactsRecord
+from dht.serve_limits import ServeLimits
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import ArtifactError, ArtifactStore
 
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 HANDLER = "pathswarm_artifact"
 MAX_REQUEST_BYTES = 256
+#: a reply's dtype when the chunk is not sent now because of the server's upload limits
+BUSY = "busy"
+#: how long a fetcher waits before it asks a busy source again, and how many busy answers it takes
+BUSY_RETRY_SECONDS = 1.0
+MAX_BUSY_ANSWERS = 300
 #: chunk requests in flight at once, over all sources
 PARALLEL_REQUESTS = 4
 REQUEST_TIMEOUT_SECONDS = 30.0
@@ -50,6 +56,10 @@ REPUBLISH_SECONDS = 50.0
 MAX_SOURCES = 32
 
 
+class _Busy(Exception):
+    """The source is over its upload limits (`ServeLimits`) for now."""
+
+
 class _BadChunk(Exception):
     """A reply that cannot be the artifact's: wrong length or digest. Its source is lying or broken."""
 
@@ -57,8 +67,11 @@ class _BadChunk(Exception):
 class ArtifactService:
     """Serves `offer`ed artifacts from `store` and fetches others into it, over a P2P replica."""
 
-    def __init__(self, dht: hivemind.DHT, store: ArtifactStore):
+    def __init__(self, dht: hivemind.DHT, store: ArtifactStore, limits: ServeLimits | None = None):
+        """`limits`: what askers can make us upload (the defaults if None); nobody asking for an
+        artifact has standing that this service could check, so all of them share the strangers' part."""
         self.store = store
+        self.limits = limits if limits is not None else ServeLimits()
         self.peer_id = str(dht.peer_id)
         self._offered: dict[str, ArtifactRef] = {}
         self._published_at = 0.0
@@ -85,7 +98,13 @@ class ArtifactService:
             if ref is not None and asked.get("digests") is True:
                 reply = self.store.digests(ref.sha256) or b""
             elif ref is not None and type(index) is int and 0 <= index < ref.n_chunks:
-                reply = await asyncio.to_thread(self.store.read_chunk, ref, index)
+                asker = context.remote_id.to_base58()
+                if self.limits.acquire(asker, ref.chunk_length(index), has_standing=False) is not None:
+                    return runtime_pb2.Tensor(dtype=BUSY)
+                try:
+                    reply = await asyncio.to_thread(self.store.read_chunk, ref, index)
+                finally:
+                    self.limits.release(asker, has_standing=False)
                 self.chunks_served += 1
         except (ValueError, TypeError, AttributeError, UnicodeDecodeError, OSError) as e:
             logger.debug(f"artifact request from {context.remote_id}: {type(e).__name__}: {e}")
@@ -117,7 +136,10 @@ class ArtifactService:
         message = runtime_pb2.Tensor(buffer=json.dumps(request).encode())
         peer = PeerID.from_base58(source)
         call = self._handler.p2p.call_protobuf_handler(peer, HANDLER, message, runtime_pb2.Tensor)
-        reply = (await asyncio.wait_for(call, REQUEST_TIMEOUT_SECONDS)).buffer
+        answer = await asyncio.wait_for(call, REQUEST_TIMEOUT_SECONDS)
+        if answer.dtype == BUSY:
+            raise _Busy()
+        reply = answer.buffer
         if len(reply) != expected_bytes:
             raise _BadChunk(f"sent {len(reply)} bytes where {expected_bytes} were due")
         return reply
@@ -142,6 +164,7 @@ class ArtifactService:
             logger.info(f"{ref.name}: resuming, {here} of {ref.n_chunks} chunks already here")
         queue = deque(missing)
         failures = {s: 0 for s in sources if s not in why}
+        busy: dict[str, int] = {}
         have = ref.size_bytes - sum(ref.chunk_length(i) for i in missing)
         bar = tqdm(
             total=ref.size_bytes, initial=have, unit="B", unit_scale=True, desc=ref.name, disable=not progress
@@ -155,6 +178,15 @@ class ArtifactService:
                     data = await self._ask(source, request, ref.chunk_length(index))
                     if hashlib.sha256(data).digest() != digests[index]:
                         raise _BadChunk(f"chunk {index} does not match its digest")
+                except _Busy:  # over its upload limits: ask again in a moment, a bounded number of times
+                    queue.append(index)
+                    busy[source] = busy.get(source, 0) + 1
+                    if busy[source] > MAX_BUSY_ANSWERS:
+                        failures.pop(source, None)
+                        why[source] = f"busy {MAX_BUSY_ANSWERS} times"
+                        return
+                    await asyncio.sleep(BUSY_RETRY_SECONDS)
+                    continue
                 except _BadChunk as e:
                     queue.append(index)
                     failures.pop(source, None)

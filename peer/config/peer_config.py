@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dht.keys import CLAIM_TTL_SECONDS, check_run_name
+from dht.serve_limits import DEFAULT_SERVE_LIMITS as _SERVE
+from dht.serve_limits import ServeLimitSettings
 from peer.errors import ConfigError
 
 #: a pin of 16 hex digits (64 bits) cannot be matched by a forged manifest with feasible work
@@ -146,6 +148,25 @@ class PeerConfig(BaseModel):
     )
     torch_threads: int | None = Field(None, ge=1, description="torch's CPU threads; unset: torch's default")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log verbosity")
+    # what other peers can make this one upload (module states, merge copies, artifact chunks): keys
+    # are free, so the totals bound a flood and peers without standing get only a share of them
+    serve_megabytes_per_second: float = Field(
+        _SERVE.bytes_per_second / 1e6, gt=0,
+        description="uploads to other peers, MB/s over all of them (a request beyond it waits)",
+    )  # fmt: skip
+    serve_uploads_at_once: int = Field(
+        _SERVE.uploads_at_once, ge=1, description="uploads to other peers at once, over all of them"
+    )
+    serve_megabytes_per_second_per_peer: float = Field(
+        _SERVE.per_asker_bytes_per_second / 1e6, gt=0, description="uploads to one peer, MB/s"
+    )
+    serve_uploads_at_once_per_peer: int = Field(
+        _SERVE.per_asker_uploads_at_once, ge=1, description="uploads to one peer at once"
+    )
+    serve_stranger_share: float = Field(
+        _SERVE.stranger_share, gt=0, le=1,
+        description="the share of both totals that peers not admitted to the run may take",
+    )  # fmt: skip
 
     @field_validator("run")
     @classmethod
@@ -188,6 +209,15 @@ class PeerConfig(BaseModel):
         if self.inner_optimizer == "adamw8bit" and self.device == "cpu":
             raise ValueError("--inner_optimizer adamw8bit needs a CUDA device, not --device cpu")
         return self
+
+    def serve_limits(self) -> ServeLimitSettings:
+        return ServeLimitSettings(
+            self.serve_megabytes_per_second * 1e6,
+            self.serve_uploads_at_once,
+            self.serve_megabytes_per_second_per_peer * 1e6,
+            self.serve_uploads_at_once_per_peer,
+            self.serve_stranger_share,
+        )
 
     @property
     def run_name(self) -> str:

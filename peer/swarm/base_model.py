@@ -16,6 +16,7 @@ from pathlib import Path
 import hivemind
 from tqdm import tqdm
 
+from dht.serve_limits import ServeLimits
 from peer.artifacts.ref import MAX_ARTIFACT_BYTES, ArtifactRef
 from peer.artifacts.store import ArtifactError, ArtifactStore, require_artifact
 from peer.artifacts.transfer import ArtifactService, providers
@@ -91,12 +92,12 @@ def obtain_artifact(
 
 
 def start_artifact_service(
-    dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str
+    dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str, limits: ServeLimits
 ) -> tuple[ArtifactService, ModuleStates | None]:
     """A peer's artifact service with the run's base model (returned, loaded), tokenizer and router
     files and data shards in it, each fetched if need be, offered and published."""
     store = ArtifactStore(config.artifacts_dir or default_artifacts_dir(config.checkpoint_dir))
-    service = ArtifactService(dht, store)
+    service = ArtifactService(dht, store, limits)
     local = [run_folder_store(config.manifest_path)]
     run = (manifest.name, run_id)
     try:

@@ -9,7 +9,8 @@ is "unreachable" and the log says which port to open. The state goes into every 
 (`ClaimRecord.reachability`), so the monitor can count peers by it.
 
 The helper dials at most `MAX_DIAL_ADDRESSES` addresses per request, each once, with a short
-timeout, and only TCP: it cannot be turned into a port scanner of any size.
+timeout, only TCP, and only on the host the asker's own connection comes from (its observed address):
+it cannot be turned into a port scanner of another host.
 """
 
 from __future__ import annotations
@@ -72,16 +73,25 @@ class DialBackService:
     def __init__(self, dht: hivemind.DHT):
         self._handler = P2PHandler(dht, HANDLER, self._serve, "dialback")
 
-    @staticmethod
-    async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
+    async def _observed_hosts(self, peer: PeerID) -> set[str]:
+        """The hosts our connections to `peer` come from (none through a relay: that is no host of its)."""
+        infos = await self._handler.p2p.list_peers()
+        addresses = [str(a) for info in infos if info.peer_id == peer for a in info.addrs]
+        return {e[0] for a in addresses if (e := tcp_endpoint(a)) is not None}
+
+    async def _serve(self, request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
         try:
             asked = [str(a) for a in json.loads(request.buffer.decode())][:MAX_DIAL_ADDRESSES]
         except (ValueError, TypeError, UnicodeDecodeError):
             asked = []
+        hosts = await self._observed_hosts(context.remote_id) if asked else set()
         answered = []
         for maddr in asked:
             endpoint = tcp_endpoint(maddr)
-            if endpoint is None:
+            if endpoint is None or endpoint[0] not in hosts:
+                logger.debug(
+                    f"dial-back for {context.remote_id}: not dialing {maddr} (it connects from {hosts})"
+                )
                 continue
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(*endpoint), DIAL_TIMEOUT_SECONDS)

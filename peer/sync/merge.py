@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from dht.serve_limits import ServeLimits
 from peer.sync import wire
 from peer.sync.aggregate import combine_copies
 from peer.sync.module_sync import state_digest
@@ -66,7 +67,12 @@ class ReportedCopies:
                 del self._copies[key]
 
 
-def install_copy_handler(service: SyncService, copies: ReportedCopies) -> None:
+def install_copy_handler(
+    service: SyncService, copies: ReportedCopies, limits: ServeLimits | None = None
+) -> None:
+    """Lets the members of a round download the copies we reported (for a merge), within `limits`."""
+    limits = limits if limits is not None else ServeLimits()
+
     async def on_copy_request(sender: str, body: bytes, reader, writer) -> None:
         request = wire.parse(wire.CopyRequest, body)
         allowed = request.run == service.run and service.inbox.standing.takes_part(sender)
@@ -74,9 +80,17 @@ def install_copy_handler(service: SyncService, copies: ReportedCopies) -> None:
         if got is None:
             await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="not kept")))
             return
-        frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), *tensor_frames(list(got))]
-        service.bytes_sent += sum(len(f) for f in frames)
-        await wire.write(writer, *frames)
+        standing = service.inbox.standing.admitted(sender)
+        busy = limits.acquire(sender, sum(4 * t.numel() for t in got), standing)
+        if busy is not None:
+            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason=busy)))
+            return
+        try:
+            frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), *tensor_frames(list(got))]
+            service.bytes_sent += sum(len(f) for f in frames)
+            await wire.write(writer, *frames)
+        finally:
+            limits.release(sender, standing)
 
     service.extra_handlers[Kind.COPY_REQUEST] = on_copy_request
 

@@ -23,6 +23,7 @@ import hivemind
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from dht.serve_limits import ServeLimits
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest
@@ -131,13 +132,14 @@ class PathSync:
         key: RSAPrivateKey | None = None,
         standing: Standing | None = None,
         sent: SentRounds | None = None,
+        limits: ServeLimits | None = None,
     ) -> None:
         """Opens this peer's end of the protocol (call once the modules hold their starting state):
         `key` signs our reports, `standing` says whose votes count, `sent` keeps the rounds we sent
-        parts for (across restarts). After a rotation, `service` is the
-        old path's: the peer keeps its P2P stream handler (the daemon does not reliably route a
-        protocol re-registered by another replica) and its inbox's bans and pending deliveries; only
-        the modules the inbox accepts change."""
+        parts for (across restarts), `limits` bounds what other peers can make us upload. After a
+        rotation, `service` is the old path's: the peer keeps its P2P stream handler (the daemon does
+        not reliably route a protocol re-registered by another replica) and its inbox's bans and
+        pending deliveries; only the modules the inbox accepts change."""
         sync = self.manifest.sync
         codec = make_codec(sync.codec)
         sizes = {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()}
@@ -157,8 +159,8 @@ class PathSync:
             service.inbox.fragment_sizes = sizes
             self._refused_seen = Counter(service.refused)
         self.service = service
-        install_state_handlers(self.service, self._snapshot, self.history)
-        install_copy_handler(self.service, self.copies)
+        install_state_handlers(self.service, self._snapshot, self.history, limits)
+        install_copy_handler(self.service, self.copies, limits)
         aggregator = AggregatorConfig(
             method=sync.aggregator, weight_cap=sync.weight_cap, norm_cap=sync.norm_cap
         )

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dht.serve_limits import ServeLimits
 from peer.sync import wire
 from peer.sync.module_sync import state_digest
 from peer.sync.service import SyncService
@@ -95,11 +96,33 @@ def range_frames(tensors: list[torch.Tensor], start: int, stop: int):
 PIN_SECONDS = 120.0
 
 
+async def _send_state(
+    service: SyncService, writer, request: wire.StateRequest, rounds, tensors, stop: int
+) -> None:
+    """A state header, then numbers [start, stop) of the state's tensors as frames."""
+    header = wire.StateHeader(
+        run=service.run,
+        module=request.module,
+        fragment_rounds=rounds,
+        numels=[t.numel() for t in tensors],
+        start=request.start,
+        stop=stop,
+    )
+    await wire.write(writer, wire.pack_header(Kind.STATE_HEADER, header))
+    for frame in range_frames(tensors, request.start, stop):
+        service.bytes_sent += len(frame)
+        await wire.write(writer, frame)
+
+
 def install_state_handlers(
-    service: SyncService, snapshot: Callable[[str], Snapshot | None], history: StateHistory
+    service: SyncService,
+    snapshot: Callable[[str], Snapshot | None],
+    history: StateHistory,
+    limits: ServeLimits | None = None,
 ) -> None:
     """Lets other peers download our modules' states (whole, or a range of one) and confirm state
-    digests against our history."""
+    digests against our history; `limits` bounds what they can make us upload (the defaults if None)."""
+    limits = limits if limits is not None else ServeLimits()
     # module -> (rounds, tensors, expiry): the last state served; the tensors are never written into
     # (a round replaces them), so holding the references holds that state at no copy
     pinned: dict[str, tuple[list[int], list[torch.Tensor], float]] = {}
@@ -144,18 +167,15 @@ def install_state_handlers(
         if request.start > stop:
             await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason="bad range")))
             return
-        header = wire.StateHeader(
-            run=service.run,
-            module=request.module,
-            fragment_rounds=rounds,
-            numels=[t.numel() for t in tensors],
-            start=request.start,
-            stop=stop,
-        )
-        await wire.write(writer, wire.pack_header(Kind.STATE_HEADER, header))
-        for frame in range_frames(tensors, request.start, stop):
-            service.bytes_sent += len(frame)
-            await wire.write(writer, frame)
+        standing = service.inbox.standing.admitted(sender)
+        busy = limits.acquire(sender, 4 * (stop - request.start), standing)
+        if busy is not None:
+            await wire.write(writer, wire.pack_header(Kind.ACK, Ack(ok=False, reason=busy)))
+            return
+        try:
+            await _send_state(service, writer, request, rounds, tensors, stop)
+        finally:
+            limits.release(sender, standing)
 
     async def on_confirm(sender: str, body: bytes, reader, writer) -> None:
         query = wire.parse(wire.Confirm, body)

@@ -11,6 +11,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.node import start_dht
 from dht.schema import ManifestRecord
+from dht.serve_limits import ServeLimits
 from peer.artifacts.transfer import ArtifactService
 from peer.config import PeerConfig, RunManifest
 from peer.model.base import ModuleStates
@@ -55,11 +56,16 @@ def join_run(
 
 
 def obtain_artifacts(
-    dht: hivemind.DHT, key: RSAPrivateKey, cfg: PeerConfig, manifest: RunManifest, run_id: str
+    dht: hivemind.DHT,
+    key: RSAPrivateKey,
+    cfg: PeerConfig,
+    manifest: RunManifest,
+    run_id: str,
+    limits: ServeLimits,
 ) -> tuple[ArtifactService | None, ModuleStates | None]:
-    """The service that fetched the run's artifacts and serves them from now on, and the run's base
-    model; (None, None) for a run whose manifest names no artifact."""
+    """The service that fetched the run's artifacts and serves them from now on (within `limits`), and
+    the run's base model; (None, None) for a run whose manifest names no artifact."""
     m = manifest
     if not (m.base_checkpoint or m.tokenizer_file or m.router_file or m.dataset.shards):
         return None, None
-    return start_artifact_service(dht, key, cfg, m, run_id)
+    return start_artifact_service(dht, key, cfg, m, run_id, limits)

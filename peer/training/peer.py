@@ -8,10 +8,9 @@ least-trained path every --rotate_every_rounds rounds (`Peer._rotate`). `Peer.cl
 announces that the peer is leaving and shuts everything down; it is safe to call at any point.
 
 `Peer` holds its parts and calls them; none calls back: `Membership` (claim, views, heartbeat),
-`PathSync` (the sync layer: the loop calls nothing below it), `RouterFollower` (the route its data is
-read with; a newer router version that is due), `RotationPolicy` (whether it moves at a round's end;
-the move is `Peer`'s, since it rebuilds the peer's own model, sync layer and data) and
-`PeerCheckpoints` (writing and restoring its checkpoints).
+`PathSync` (the sync layer), `RouterFollower` (the route its data is read with; a newer router version
+that is due), `RotationPolicy` (whether it moves at a round's end; the move is `Peer`'s: it rebuilds
+its model, sync layer and data), `PeerCheckpoints` and `ServeLimits` (what others make it upload).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import psutil
 import torch
 
 from dht.schema import ManifestRecord
+from dht.serve_limits import ServeLimits
 from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
@@ -67,6 +67,7 @@ class Peer:
         self.config = config
         self.stop_requested = threading.Event()
         self.checkpoints = PeerCheckpoints(config)
+        self.serve_limits = ServeLimits(config.serve_limits())  # states, copies and artifacts, together
         # made by start(), in this order; close() shuts down whatever start() got to
         self.device: torch.device | None = None
         self.dht = None
@@ -127,7 +128,8 @@ class Peer:
         self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
         check_memory(self.manifest, cfg, self.device)
         self._data_root = check_data(self.manifest, cfg)
-        self.artifacts, self.base = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id)
+        found = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id, self.serve_limits)
+        self.artifacts, self.base = found
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
@@ -211,7 +213,7 @@ class Peer:
         modules whose holders (or keepers) are ahead of us and reads the path's data shard: at
         start-up and after a rotation."""
         ms, sent = self.membership, self.checkpoints.sent_rounds(self.manifest.run_id)
-        self.sync.start(self.dht, ms.is_holder, service, self.key, ms.standing, sent)
+        self.sync.start(self.dht, ms.is_holder, service, self.key, ms.standing, sent, self.serve_limits)
         downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         if downloaded:
@@ -301,9 +303,8 @@ class Peer:
         self.history.add_sync(done)
         if done.fragment != 0:
             return
-        # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps. The trunk is on every
-        # path, so its sync count is the swarm's clock: a peer that synced alone while the others
-        # were starting is set back in step when it repairs its copy.
+        # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps. The trunk is on every path,
+        # so its sync count is the swarm's clock (a peer that synced alone is set back when it repairs).
         self.outer_round = self.sync.outer_round
         entry = self.history.end_round(self.outer_round, self.step, self.tokens_total, done)
         # the log and the metrics show the swarm's round (the DHT claims carry it too) and our own count

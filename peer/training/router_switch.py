@@ -19,6 +19,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import ROUTER_TTL_SECONDS
 from dht.schema import ManifestRecord
+from dht.serve_limits import ServeLimits
 from monitoring.metrics import PeerMetrics
 from peer.artifacts.store import ArtifactError, ArtifactStore
 from peer.artifacts.transfer import ArtifactService
@@ -134,7 +135,7 @@ class RouterFollower:
         cfg = self.config
         if self.artifacts is None:  # a run without artifacts in its manifest has no service yet
             store = ArtifactStore(cfg.artifacts_dir or default_artifacts_dir(cfg.checkpoint_dir))
-            self.artifacts = ArtifactService(self.dht, store)
+            self.artifacts = ArtifactService(self.dht, store, ServeLimits(cfg.serve_limits()))
         what = f"router version {version.router_version}"
         local = [run_folder_store(cfg.manifest_path)]
         path = obtain_artifact(
