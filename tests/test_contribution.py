@@ -137,13 +137,13 @@ def test_the_ledger_counts_rounds_with_others_and_resumes_its_totals():
     assert meta["modules_held"] == 5 == modules_held(GRID, counters["paths"])
     assert meta["tokens"] == 3000 and meta["inner_steps"] == 30
     resumed = ContributionLedger(lambda: (counters["step"], counters["tokens"], counters["paths"]))
-    resumed.restore({"contribution": {**meta, "online_seconds": 7200}})
+    resumed.restore({"peer_id": "me", "contribution": {**meta, "online_seconds": 7200}}, "me")
     resumed.end_round(_round(["me", "c"]), "me")
     again = resumed.meta()
     assert again["rounds_averaged"] == 3 and again["averaged_with"] == {"b": 2, "c": 2}
     assert 7200 <= again["online_seconds"] < 7210  # time online adds up over starts
     older = ContributionLedger(lambda: (0, 0, {}))
-    older.restore({"step": 5})  # a checkpoint from before the ledger: no totals of its own
+    older.restore({"step": 5, "peer_id": "me"}, "me")  # a checkpoint from before the ledger: no totals
     assert older.meta()["rounds_averaged"] == 0 and older.meta()["averaged_with"] == {}
 
 
@@ -203,3 +203,18 @@ def test_health_prints_the_peers_contribution_over_the_run():
         "contribution over the run: 4096 tokens trained, 32 inner steps, 3 rounds averaged with others, "
         "3 modules held, 2.50 hours online"
     ), lines
+
+
+def test_a_checkpoint_resumed_under_another_key_does_not_carry_its_totals_to_the_new_key():
+    counters = {"step": 30, "tokens": 3000, "paths": {0: 30}}
+    ledger = ContributionLedger(lambda: (counters["step"], counters["tokens"], counters["paths"]))
+    ledger.model = GRID
+    kept = {"tokens": 3000, "inner_steps": 30, "rounds_averaged": 3, "online_seconds": 900}
+    written = {"peer_id": "old", "step": 30, "tokens_total": 3000, "path_steps": {"0": 30}}
+    written["contribution"] = kept
+    ledger.restore(written, "new")  # no --identity_path: a fresh key resumed the old key's checkpoint
+    assert ledger.meta() == dict(tokens=0, inner_steps=0, rounds_averaged=0, modules_held=0,
+                                 online_seconds=0, averaged_with={})  # fmt: skip
+    counters.update(step=40, tokens=4000, paths={0: 35, 1: 5})  # the new key trains on
+    totals = ledger.meta()
+    assert (totals["tokens"], totals["inner_steps"], totals["modules_held"]) == (1000, 10, 4)

@@ -4,12 +4,16 @@ Tokens and inner steps are the peer's own counters (`Peer.tokens_total`, `Peer.s
 across resumes); this ledger adds what they do not hold: the outer rounds in which the peer averaged
 with at least one other holder, how many rounds it averaged with each partner (the partners' counts
 confirm another peer's rounds, see monitoring/swarm/contributions.py), and its time online, summed
-over every start of the peer with --resume. `record()` is the unsigned statement the peer signs and
-publishes (peer/swarm/contribution.py); `meta()` is the same totals as its checkpoint keeps them.
+over every start of the peer with --resume. The totals belong to the key that earned them: a
+checkpoint resumed under another identity (no --identity_path) starts this key's totals from zero, or
+the leaderboard would count that work twice, under both keys. `record()` is the unsigned statement the
+peer signs and publishes (peer/swarm/contribution.py); `meta()` is the same totals as its checkpoint
+keeps them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,6 +22,8 @@ from peer.config import RunManifest
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
 from peer.swarm.contribution import ContributionPublisher
 from peer.sync.outer import FragmentDone
+
+logger = logging.getLogger(__name__)
 
 #: partners whose counts the ledger keeps (a long run meets many; the least frequent are dropped)
 MAX_KEPT_PARTNERS = 256
@@ -46,6 +52,8 @@ class ContributionLedger:
     def __init__(self, counters: Callable[[], tuple[int, int, dict[int, int]]]) -> None:
         self.counters = counters
         self.model: ModelConfig | None = None  # the run's grid, once the peer joined (`publisher`)
+        #: the counters (steps, tokens, path steps) a checkpoint of another key held: not ours
+        self._not_ours: tuple[int, int, dict[int, int]] = (0, 0, {})
         self.rounds_averaged = 0
         self.averaged_with: dict[str, int] = {}
         self._online_before = 0.0  # seconds online in the starts this one resumed
@@ -72,6 +80,9 @@ class ContributionLedger:
         """The totals now, as a checkpoint keeps them (tokens and inner steps repeat the peer's
         counters, so that one dict says the whole contribution)."""
         step, tokens_total, path_steps = self.counters()
+        steps_before, tokens_before, paths_before = self._not_ours
+        step, tokens_total = step - steps_before, tokens_total - tokens_before
+        path_steps = {p: n - paths_before.get(p, 0) for p, n in list(path_steps.items())}
         return dict(
             tokens=tokens_total,
             inner_steps=step,
@@ -81,9 +92,18 @@ class ContributionLedger:
             averaged_with=dict(self.averaged_with),
         )
 
-    def restore(self, meta: dict) -> None:
-        """Takes the totals of a resumed checkpoint (one written before the ledger existed: none)."""
+    def restore(self, meta: dict, peer_id: str) -> None:
+        """Takes the totals of a resumed checkpoint (one written before the ledger existed: none), if
+        `peer_id` (this peer's key) wrote it."""
         kept = meta.get("contribution") or {}
+        if meta.get("peer_id") != peer_id:
+            logger.info(
+                f"the checkpoint was written by peer {meta.get('peer_id')}, not this key: this peer's "
+                "contribution counts from zero (keep --identity_path to carry it over restarts)"
+            )
+            paths = {int(p): int(n) for p, n in (meta.get("path_steps") or {}).items()}
+            self._not_ours = (int(meta.get("step", 0)), int(meta.get("tokens_total", 0)), paths)
+            kept = {}
         self.rounds_averaged = int(kept.get("rounds_averaged", 0))
         self.averaged_with = {str(p): int(n) for p, n in (kept.get("averaged_with") or {}).items()}
         self._online_before = float(kept.get("online_seconds", 0))

@@ -412,7 +412,7 @@ class Peer:
         c = self.checkpoints.restore(tensors, meta, index, self.sync, self.model, self.history)
         self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
         self.path_steps = c.path_steps
-        self.contribution.restore(meta)
+        self.contribution.restore(meta, self.peer_id)
 
     def _hand_over(self, modules: list[str]) -> list[str]:
         """Hands `modules` (we are their last holder) to the run's keepers; returns those none took."""
