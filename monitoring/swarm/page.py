@@ -19,7 +19,7 @@ LINE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em;color:#222;background:#fafafa}
-h1{font-size:1.4em;margin:0 0 .2em} h2{font-size:1.1em;margin:1.2em 0 .4em}
+h1{font-size:1.4em;margin:0 0 .2em} h2{font-size:1.1em;margin:1.2em 0 .4em} h3{font-size:1em;margin:.6em 0 .3em}
 .sub{color:#666;font-size:.9em} .cards{display:flex;gap:1em;flex-wrap:wrap}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.5em 1em;min-width:8em}
 .card b{display:block;font-size:1.5em} table{border-collapse:collapse;background:#fff}
