@@ -23,10 +23,9 @@ from monitoring.swarm.status import status_dict
 from monitoring.swarm.view import build_view, select_claims
 from peer.model.grid import ModelConfig
 from peer.run.admission import AdmissionCheck, sign_admission
-from peer.swarm.contribution import check_contribution, sign_contribution
+from peer.run.contribution import check_contribution, sign_contribution
 from peer.sync.outer import FragmentDone
 from peer.sync.rounds import RoundResult
-from peer.sync.standing import Standing
 from peer.training.contribution import ContributionLedger, modules_held
 
 RUN_ID = "a" * 64
@@ -44,7 +43,7 @@ def claim(i: int, **kw) -> ClaimRecord:
 
 
 def open_board() -> ContributionBoard:
-    return ContributionBoard(RUN_ID, Standing(None, "open"))
+    return ContributionBoard(RUN_ID, None)
 
 
 def test_a_record_verifies_only_when_signed_by_its_own_peer_for_this_run_and_untouched():
@@ -108,7 +107,7 @@ def test_rounds_averaged_are_confirmed_by_a_partners_own_record_never_above_the_
 def test_where_a_partner_is_admitted_only_admitted_partners_confirm():
     creator = RSAPrivateKey()
     check = AdmissionCheck(RUN_ID, creator.get_public_key().to_bytes())
-    board = ContributionBoard(RUN_ID, Standing(check, "open"))
+    board = ContributionBoard(RUN_ID, check)
     admitted = sign_admission(creator, RUN_ID, IDS[1], "invite")
     records = [
         signed(0, rounds_averaged=10),

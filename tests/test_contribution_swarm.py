@@ -20,7 +20,7 @@ from dht.records import store_record
 from dht.schema import ContributionRecord
 from peer.checkpoint import load_latest_checkpoint
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm
-from peer.swarm.contribution import sign_contribution
+from peer.run.contribution import sign_contribution
 from tests.swarm_harness import RUN, peer_args, wait_for, write_manifest
 from tests.test_monitor_swarm import chromium, chromium_run, free_port, get_json, peer_id_in_log
 

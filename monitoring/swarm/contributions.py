@@ -11,9 +11,9 @@ One number is cross-checked: a round averaged with others has witnesses, the par
 lists how many rounds its peer averaged with each of its most frequent partners; a peer's confirmed
 rounds are the most that any one partner reports for it (a lower bound: rounds with different
 partners are not added up, since one round can have several) and never more than its own count.
-Partners count as witnesses by the project's rule for votes (`Standing.voters`): the admitted ones,
-or all of them where none is admitted (an open run without an authority, where keys that collude can
-vouch for each other: docs/threat-model.md).
+Partners count as witnesses by the project's rule for votes (as `Standing.voters` in peer/sync/):
+the admitted ones, or all of them where none is admitted (an open run without an authority, where
+keys that collude can vouch for each other: docs/threat-model.md).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from dht.keys import MAX_CLAIMS_PER_RUN
 from dht.schema import ClaimRecord, ContributionRecord
-from peer.swarm.contribution import check_contribution
-from peer.sync.standing import Standing
+from peer.run.admission import AdmissionCheck
+from peer.run.contribution import check_contribution
 
 #: peers whose latest record the board keeps, departed ones included (the most recently signed stay)
 MAX_REMEMBERED_PEERS = MAX_CLAIMS_PER_RUN
@@ -52,9 +52,10 @@ class ContributionRow:
 class ContributionBoard:
     """Verified contribution records of one run, by peer, with their partners' confirmations."""
 
-    def __init__(self, run_id: str, standing: Standing, max_peers: int = MAX_REMEMBERED_PEERS):
+    def __init__(self, run_id: str, admission: AdmissionCheck | None, max_peers: int = MAX_REMEMBERED_PEERS):
+        """`admission`: the run's check of admission tokens (None: nobody is admitted)."""
         self.run_id = run_id
-        self.standing = standing
+        self.admission = admission
         self.max_peers = max_peers
         self.records: dict[str, ContributionRecord] = {}
         #: the admission token last seen in each peer's claim (whether its confirmations count)
@@ -95,7 +96,9 @@ class ContributionBoard:
 
     def confirmed(self, peer_id: str, witnesses: dict[str, int]) -> int:
         """Rounds of `peer_id` averaged with others that a partner with standing confirms."""
-        counted = self.standing.voters({w: self.tokens.get(w, "") for w in witnesses})
+        check = self.admission
+        admitted = [w for w in witnesses if check is not None and check.admitted(w, self.tokens.get(w, ""))]
+        counted = admitted or list(witnesses)
         own = self.records[peer_id].rounds_averaged
         return min(own, max((witnesses[w] for w in counted), default=0))
 

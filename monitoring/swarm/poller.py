@@ -27,7 +27,6 @@ from peer.config import RunManifest
 from peer.errors import SwarmError
 from peer.run.admission import AdmissionCheck
 from peer.run.record import verify_record
-from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +90,7 @@ class SwarmPoller:
         #: the peers' tokens/s, measured from their counters over this monitor's clock
         self.rates = MeasuredRates()
         #: every volunteer's verified contribution over the run, remembered after it leaves
-        self.board = ContributionBoard(
-            self.run_id, Standing(AdmissionCheck.of(record), manifest.admission.mode)
-        )
+        self.board = ContributionBoard(self.run_id, AdmissionCheck.of(record))
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
