@@ -71,10 +71,13 @@ class ContributionLedger:
         if not partners:
             return
         self.rounds_averaged += 1
+        # a new dict, swapped in whole: the heartbeat and the metrics read the old one meanwhile
+        counts = dict(self.averaged_with)
         for peer in partners:
-            self.averaged_with[peer] = self.averaged_with.get(peer, 0) + 1
-        if len(self.averaged_with) > MAX_KEPT_PARTNERS:
-            self.averaged_with = top_partners(self.averaged_with, MAX_KEPT_PARTNERS)
+            counts[peer] = counts.get(peer, 0) + 1
+        self.averaged_with = (
+            top_partners(counts, MAX_KEPT_PARTNERS) if len(counts) > MAX_KEPT_PARTNERS else counts
+        )
 
     def meta(self) -> dict:
         """The totals now, as a checkpoint keeps them (tokens and inner steps repeat the peer's
