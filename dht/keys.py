@@ -23,6 +23,10 @@ ARTIFACTS_TTL_SECONDS = 300.0
 MANIFEST_TTL_SECONDS = 300.0
 #: A router version (`pathswarm run reroute`) is re-published by the peers that switched to it.
 ROUTER_TTL_SECONDS = 300.0
+#: A peer re-publishes its signed contribution totals (peer/swarm/contribution.py) this often, and at
+#: its departure; the record outlives the peer by its TTL so a monitor polling slowly still sees the end.
+CONTRIBUTION_REPUBLISH_SECONDS = 10.0
+CONTRIBUTION_TTL_SECONDS = 300.0
 #: A reader keeps at most this many claims of one run (a flood of keys cannot grow its memory).
 MAX_CLAIMS_PER_RUN = 4096
 #: No record may claim to live longer than this (a forged far-future expiry is refused).
@@ -79,6 +83,14 @@ def router_key(run_name: str, run_id: str) -> str:
     return f"{run_namespace(run_name, run_id)}_router"
 
 
+def contributions_key(run_name: str, run_id: str) -> str:
+    """A peer's totals over the run (tokens, inner steps, rounds averaged with others, modules held,
+    time online), signed by the peer inside the record too: one record per peer under its owner subkey,
+    re-published every CONTRIBUTION_REPUBLISH_SECONDS and when it leaves; TTL CONTRIBUTION_TTL_SECONDS.
+    Read by the monitor only (peers never decide on it)."""
+    return f"{run_namespace(run_name, run_id)}_contributions"
+
+
 def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
     """Keys whose records have a schema, by record kind; the validator is built from this."""
     keys = {"manifest": manifest_key(run_name)}
@@ -88,4 +100,5 @@ def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
         keys["stash"] = stash_key(run_name, run_id)
         keys["artifacts"] = artifacts_key(run_name, run_id)
         keys["router"] = router_key(run_name, run_id)
+        keys["contribution"] = contributions_key(run_name, run_id)
     return keys

@@ -196,6 +196,49 @@ class RouterRecord(Record):
         return v
 
 
+#: a contribution record names at most this many peers it averaged with (its most frequent partners)
+MAX_CONTRIBUTION_PARTNERS = 16
+
+
+class ContributionRecord(Record):
+    """A peer's own totals over the whole run (across resumes), for volunteers to see. Besides the
+    DHT's owner signature it carries one of its own (peer/swarm/contribution.py): `signature` is the
+    peer's RSA signature of every other field and `public_key` the key it verifies with, whose peer id
+    must be `peer_id`, so a reader that keeps the record after it expired can still check it. Every
+    number is a claim; `averaged_with` (partner -> rounds averaged together) lets a reader confirm
+    another peer's `rounds_averaged` from its partners' own records."""
+
+    run_id: str
+    peer_id: str = Field(min_length=1, max_length=128)
+    tokens: int = Field(0, ge=0, lt=2**62)
+    inner_steps: int = Field(0, ge=0, lt=2**48)
+    #: outer rounds in which at least one of the peer's modules averaged with another holder
+    rounds_averaged: int = Field(0, ge=0, lt=2**40)
+    #: distinct modules the peer trained over the run (every module of every path it held)
+    modules_held: int = Field(0, ge=0, lt=1 << 20)
+    online_seconds: int = Field(0, ge=0, lt=2**40)
+    averaged_with: dict[str, int] = Field(default_factory=dict, max_length=MAX_CONTRIBUTION_PARTNERS)
+    #: unix seconds when the peer signed it (a reader keeps the latest of each peer)
+    signed_at: int = Field(0, ge=0, lt=2**40)
+    public_key: str = Field("", max_length=1024)
+    signature: str = Field("", max_length=1024)
+
+    @field_validator("run_id")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _HEX64.match(v):
+            raise ValueError("run_id must be 64 lowercase hex characters")
+        return v
+
+    @field_validator("averaged_with")
+    @classmethod
+    def _partners(cls, v: dict[str, int]) -> dict[str, int]:
+        for peer, rounds in v.items():
+            if not 0 < len(peer) <= 128 or not 0 <= rounds < 2**40:
+                raise ValueError(f"bad partner count {peer[:130]!r}: {rounds!r}")
+        return v
+
+
 SCHEMAS: dict[str, type[Record]] = {
     "manifest": ManifestRecord,
     "claim": ClaimRecord,
@@ -203,4 +246,5 @@ SCHEMAS: dict[str, type[Record]] = {
     "stash": StashRecord,
     "artifacts": ArtifactsRecord,
     "router": RouterRecord,
+    "contribution": ContributionRecord,
 }

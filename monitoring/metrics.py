@@ -196,6 +196,20 @@ class PeerMetrics:
             raise ValueError(f"unknown bad-part reason {reason!r}; expected one of {BAD_PART_REASONS}")
         self.bad_parts.labels(reason).inc()
 
+    def follow_contribution(self, totals) -> None:
+        """Gauges of this peer's contribution over the whole run (across resumes), read from
+        `totals()` (`ContributionLedger.meta`) at every scrape: what `pathswarm health` prints."""
+        names = {
+            "tokens": "Training tokens this peer trained over the whole run (across resumes).",
+            "inner_steps": "Inner steps this peer took over the whole run.",
+            "rounds_averaged": "Outer rounds in which this peer averaged with other holders, over the run.",
+            "modules_held": "Distinct modules this peer trained over the run.",
+            "online_seconds": "Seconds this peer was online in the run, summed over its starts.",
+        }
+        for key, doc in names.items():
+            gauge = Gauge(f"pathswarm_contribution_{key}", doc, registry=self.registry)
+            gauge.set_function(lambda key=key: float(totals()[key]))
+
     def set_path(self, path: str) -> None:
         """The path label after the peer rotated to another path; the holders of modules it left
         are no longer ours to report."""

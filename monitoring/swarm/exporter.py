@@ -4,7 +4,9 @@ A custom collector renders the latest `SwarmView` at scrape time, so series of m
 are gone disappear with the view instead of lingering at their last value. Swarm-wide counters
 (`_total`) are the monitor's own: each poll adds what every peer's claimed since-start totals grew by
 (a peer that restarted counts from zero again), so they only ever go up while peers come and go.
-Series per peer are capped (`max_peer_series`); the count left out is a series too.
+Series per peer are capped (`max_peer_series`); the count left out is a series too. Contributions over
+the run get per-peer gauges for the top `max_peer_series` contributors by tokens (departed ones
+included, so the series of a volunteer who left stay while it ranks there).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class SwarmCollector:
             if view is not None:
                 yield from self._swarm_metrics(view, totals)
                 yield from self._peer_metrics(view)
+                yield from self._contribution_metrics(view)
 
     def _monitor_metrics(self, s: MonitorStats):
         yield CounterMetricFamily(
@@ -257,6 +260,39 @@ class SwarmCollector:
             "pathswarm_swarm_peer_series_omitted",
             "Live peers left without series of their own (over --max_peer_series).",
             len(v.peers) - len(rows),
+        )
+
+    def _contribution_metrics(self, v: SwarmView):
+        rows = v.contributions[: max(0, self.max_peer_series)]
+        docs = {
+            "tokens": "Tokens a peer trained over the run (its signed claim, across resumes).",
+            "inner_steps": "Inner steps a peer took over the run (its signed claim).",
+            "rounds_averaged": "Outer rounds a peer averaged with others over the run (its signed claim).",
+            "rounds_confirmed": "Of a peer's rounds averaged with others, those a partner's record confirms.",
+            "modules_held": "Distinct modules a peer trained over the run (its signed claim).",
+            "online_seconds": "Seconds a peer was online in the run, over all its starts (its signed claim).",
+        }
+        for key, doc in docs.items():
+            g = GaugeMetricFamily(f"pathswarm_swarm_peer_contribution_{key}", doc, labels=["peer_id"])
+            for r in rows:
+                g.add_metric([r.peer_id], getattr(r, key))
+            yield g
+        yield GaugeMetricFamily(
+            "pathswarm_swarm_contributors",
+            "Peers with a verified contribution record in this run, departed ones included.",
+            len(v.contributions),
+        )
+        yield GaugeMetricFamily(
+            "pathswarm_swarm_contribution_series_omitted",
+            "Contributors left without series of their own (over --max_peer_series).",
+            len(v.contributions) - len(rows),
+        )
+        rejected = dict.fromkeys(("signed by another key", "signature does not match"), 0)
+        yield self._per(
+            "pathswarm_monitor_contributions_rejected",
+            "Contribution records refused in the last poll (forged, tampered, another run), by reason.",
+            "reason",
+            {**rejected, **v.contributions_rejected},
         )
 
     @staticmethod

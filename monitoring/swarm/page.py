@@ -13,11 +13,13 @@ COLOURS = {0: "#d9534f", 1: "#f0ad4e"}  # no holder: red; one holder: amber; two
 HEALTHY = "#5cb85c"
 #: peer rows drawn on the page (a public run can have thousands); ?peer=ID finds any other one
 MAX_PAGE_ROWS = 300
+#: leaderboard rows drawn on the page; ?peer=ID shows one's own row wherever it ranks
+MAX_LEADERBOARD_ROWS = 50
 LINE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em;color:#222;background:#fafafa}
-h1{font-size:1.4em;margin:0 0 .2em} h2{font-size:1.1em;margin:1.2em 0 .4em}
+h1{font-size:1.4em;margin:0 0 .2em} h2{font-size:1.1em;margin:1.2em 0 .4em} h3{font-size:1em;margin:.6em 0 .3em}
 .sub{color:#666;font-size:.9em} .cards{display:flex;gap:1em;flex-wrap:wrap}
 .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.5em 1em;min-width:8em}
 .card b{display:block;font-size:1.5em} table{border-collapse:collapse;background:#fff}
@@ -150,6 +152,45 @@ def peers_table(status: dict, mine: str = "") -> str:
     return f'{note}<table id="peers"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
+def _contribution_cells(r: dict) -> str:
+    confirmed = r["rounds_confirmed"]
+    return (f"<td>{r['tokens']:,}</td><td>{r['inner_steps']:,}</td><td>{r['rounds_averaged']}</td>"
+            f"<td{' class=bad' if confirmed < r['rounds_averaged'] else ''}>{confirmed}</td>"
+            f"<td>{r['modules_held']}</td><td>{r['online_seconds'] / 3600:.2f}</td><td>{'online' if r['online'] else 'left'}</td>")  # fmt: skip
+
+
+def contribution_section(status: dict, mine: str = "") -> str:
+    """The leaderboard of contributions over the run and, for `mine` (?peer=), that volunteer's card."""
+    rows = status.get("contributions") or []
+    matching = [r for r in rows if mine and mine in r["peer_id"]]
+    card = ""
+    if mine and matching:
+        r = matching[0]
+        items = [("rank", f"#{r['rank']} of {len(rows)}"), ("tokens trained", f"{r['tokens']:,}"),
+                 ("inner steps", f"{r['inner_steps']:,}"), ("rounds averaged with others", r["rounds_averaged"]),
+                 ("of them confirmed by partners", r["rounds_confirmed"]), ("modules held", r["modules_held"]),
+                 ("hours online", f"{r['online_seconds'] / 3600:.2f}")]  # fmt: skip
+        cards = "".join(f'<div class="card">{escape(k)}<b>{escape(str(v))}</b></div>' for k, v in items)
+        card = (f'<h3>Your contribution: <code>{escape(r["peer_id"])}</code></h3>'
+                f'<div class="cards" id="my-contribution" data-peer="{escape(r["peer_id"])}">{cards}</div>')  # fmt: skip
+    elif mine:
+        card = f'<p id="my-contribution">no signed contribution record of a peer matching <code>{escape(mine)}</code> yet</p>'
+    shown = rows[:MAX_LEADERBOARD_ROWS] + [r for r in matching if r["rank"] > MAX_LEADERBOARD_ROWS]
+    trs = "".join(
+        f'<tr data-contribution="{escape(r["peer_id"])}" data-tokens="{r["tokens"]}" data-steps="{r["inner_steps"]}" '
+        f'data-rounds="{r["rounds_averaged"]}"{" class=mine" if r in matching else ""}><td>{r["rank"]}</td>'
+        f"<td><code>{escape(r['peer_id'])}</code></td>{_contribution_cells(r)}</tr>"
+        for r in shown
+    )
+    head = "".join(f"<th>{h}</th>" for h in ("#", "peer id", "tokens", "inner steps", "rounds averaged (claimed)",
+                                              "confirmed by partners", "modules held", "hours online", "now"))  # fmt: skip
+    rejected = sum((status.get("contributions_rejected") or {}).values())
+    note = f' · <span class="bad">{rejected} record(s) refused: bad signature</span>' if rejected else ""
+    return (f'{card}<table id="contribution"><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table>'
+            f'<div class="sub">every number is signed by the peer that claims it; rounds are confirmed by '
+            f"the partners' own records{note}</div>")  # fmt: skip
+
+
 def render_page(status: dict, mine: str = "") -> str:
     """The whole page; `mine` (the ?peer= query) highlights one's own peer without script."""
     if status.get("peers") is None:
@@ -173,6 +214,7 @@ def render_page(status: dict, mine: str = "") -> str:
 <h2>Swarm</h2><div class="cards">{cards_html}</div>{warn}
 <h2>Paths × modules (holders)</h2>{grid_table(status)}
 <div class="sub">red: no training holder · amber: one holder (one departure from losing it) · green: 2+</div>
+<h2>Contribution over the run</h2>{contribution_section(status, mine)}
 <h2>Over time</h2>{charts(status)}
 <h2>Peers</h2><form method="get">
 <input id="peer-search" name="peer" placeholder="your peer id (or a part of it)" value="{escape(mine)}" oninput="findPeer()">

@@ -1,5 +1,6 @@
-"""The monitor's DHT side: find the run's verified manifest, then read its claims and keepers' stash
-records on an interval and hand each `SwarmView` to the exporter and the status page.
+"""The monitor's DHT side: find the run's verified manifest, then read its claims, keepers' stash
+records and peers' contribution records on an interval and hand each `SwarmView` to the exporter and
+the status page.
 
 The monitor is a client-mode DHT node: it reads, never claims, and is reachable by nobody. Every
 record it reads was validated by the DHT (signature, schema, expiry) and is parsed again here.
@@ -15,14 +16,16 @@ from dataclasses import dataclass, field
 
 import hivemind
 
-from dht.keys import claims_key, manifest_key, stash_key
+from dht.keys import claims_key, contributions_key, manifest_key, stash_key
 from dht.records import read_records
-from dht.schema import ClaimRecord, ManifestRecord, StashRecord
+from dht.schema import ClaimRecord, ContributionRecord, ManifestRecord, StashRecord
+from monitoring.swarm.contributions import ContributionBoard
 from monitoring.swarm.exporter import SwarmCollector
 from monitoring.swarm.rates import MeasuredRates
 from monitoring.swarm.view import SwarmView, build_view, select_claims
 from peer.config import RunManifest
 from peer.errors import SwarmError
+from peer.run.admission import AdmissionCheck
 from peer.run.record import verify_record
 
 logger = logging.getLogger(__name__)
@@ -86,12 +89,15 @@ class SwarmPoller:
         self.view: SwarmView | None = None
         #: the peers' tokens/s, measured from their counters over this monitor's clock
         self.rates = MeasuredRates()
+        #: every volunteer's verified contribution over the run, remembered after it leaves
+        self.board = ContributionBoard(self.run_id, AdmissionCheck.of(record))
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def poll(self) -> SwarmView:
-        """One cycle: two DHT reads (claims, stash), the view, the exporter and the history updated."""
+        """One cycle: three DHT reads (claims, stash, contributions), the view, the exporter and the
+        history updated."""
         started = time.perf_counter()
         name, reads = self.manifest.name, 0
         try:
@@ -99,6 +105,8 @@ class SwarmPoller:
             records = read_records(self.dht, claims_key(name, self.run_id), ClaimRecord)
             reads += 1
             stash = [r for r, _ in read_records(self.dht, stash_key(name, self.run_id), StashRecord)]
+            reads += 1
+            found = read_records(self.dht, contributions_key(name, self.run_id), ContributionRecord)
         except Exception:
             self.collector.poll_failed(reads)
             raise
@@ -106,6 +114,8 @@ class SwarmPoller:
         counters = {p: c.tokens_total for p, c in selected.claims.items()}
         rates = self.rates.update(time.monotonic(), counters)
         view = build_view(name, self.run_id, self.manifest.model, selected, stash, rates)
+        view.contributions = self.board.update([r for r, _ in found], selected.claims)
+        view.contributions_rejected = dict(self.board.rejected)
         seconds = time.perf_counter() - started
         self.collector.publish(view, seconds, reads)
         spread = max(view.module_round_spread.values(), default=0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from dht.keys import MAX_CLAIMS_PER_RUN
 from dht.schema import ClaimRecord, StashRecord
 from monitoring.metrics import BAD_PART_REASONS, OUTCOMES
+from monitoring.swarm.contributions import ContributionRow
 from peer.model.grid import ModelConfig, all_module_ids, all_paths, path_module_ids
 
 STATES = ("joining", "training", "leaving")
@@ -114,6 +115,11 @@ class SwarmView:
     by_reachability: dict[str, int] = field(default_factory=dict)
     claims_read: int = 0
     claims_capped: bool = False
+    #: each volunteer's contribution over the run, departed ones included, most tokens first
+    #: (monitoring/swarm/contributions.py: signed claims, rounds confirmed by partners)
+    contributions: list[ContributionRow] = field(default_factory=list)
+    #: contribution records refused in the last poll (forged, tampered, another run), by reason
+    contributions_rejected: dict[str, int] = field(default_factory=dict)
 
     @property
     def under_replicated(self) -> list[str]:

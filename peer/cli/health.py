@@ -5,7 +5,9 @@ It reads the peer's Prometheus endpoint (`--metrics_port`, or `PATHSWARM_METRICS
 sets it) and exits 0 when the peer answers with its training counters, 1 otherwise, printing one line
 either way: its steps, its own outer rounds, the module syncs it averaged with other holders, the
 tokens it trained, how long ago it last averaged with others, and plainly whether it is contributing
-(it averaged with others in the last `CONTRIBUTING_SECONDS`) — or why it is not healthy.
+(it averaged with others in the last `CONTRIBUTING_SECONDS`) — or why it is not healthy. A second
+line gives the peer's contribution over the whole run, across resumes (tokens, inner steps, rounds
+averaged with others, modules held, hours online): what the monitor's status page shows at `?peer=ID`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"unhealthy: {url} answers but shows no pathswarm peer metrics")
         return 1
     print(describe(samples, averaged, time.time()))
+    line = contribution_line(samples)
+    if line is not None:
+        print(line)
     return 0
 
 
@@ -72,4 +77,18 @@ def describe(samples: dict[str, float], averaged: float, now: float) -> str:
         f"healthy, {verdict}: {samples['pathswarm_inner_steps_total']:.0f} steps, "
         f"{samples.get('pathswarm_own_rounds', 0):.0f} own rounds, {averaged:.0f} module syncs averaged "
         f"with others, {samples.get('pathswarm_tokens_total', 0):.0f} tokens trained, {since}"
+    )
+
+
+def contribution_line(samples: dict[str, float]) -> str | None:
+    """The peer's contribution over the run, from its `pathswarm_contribution_*` gauges (None: a peer
+    too old to export them)."""
+    if "pathswarm_contribution_tokens" not in samples:
+        return None
+    c = {k.removeprefix("pathswarm_contribution_"): v for k, v in samples.items() if "_contribution_" in k}
+    return (
+        f"contribution over the run: {c['tokens']:.0f} tokens trained, {c.get('inner_steps', 0):.0f} "
+        f"inner steps, {c.get('rounds_averaged', 0):.0f} rounds averaged with others, "
+        f"{c.get('modules_held', 0):.0f} modules held, {c.get('online_seconds', 0) / 3600:.2f} hours online "
+        "(this peer's signed claim; the monitor's page at ?peer=ID shows what its partners confirm)"
     )

@@ -118,6 +118,8 @@ class Membership:
         self._heartbeat: threading.Thread | None = None
         #: the peer's artifact service, whose offers the heartbeat keeps published (None: no artifacts)
         self.artifacts = None
+        #: the peer's signed contribution totals, which the heartbeat keeps published (None: not yet)
+        self.contribution = None
         self._keeper_tokens: dict[str, str] = {}
         #: whose votes count, from the tokens in claims (peer/run/admission.py); ours goes in our claim
         self.standing = Standing(
@@ -408,6 +410,9 @@ class Membership:
                 if self.artifacts is not None:  # it re-publishes once a minute at most
                     with self._lock:
                         self.artifacts.publish(self.dht, self.key, self.config.run_name, self.record.run_id)
+                if self.contribution is not None:  # it re-publishes every few seconds at most
+                    with self._lock:
+                        self.contribution.publish(self.dht, self.key)
                 if time.monotonic() - last_manifest > MANIFEST_REPUBLISH_SECONDS:
                     with self._lock:
                         publish_record(self.dht, self.key, self.record)
@@ -433,6 +438,8 @@ class Membership:
         if self.path is not None:
             try:
                 self.publish_claim(leaving=True)
+                if self.contribution is not None:  # the totals at the end, with the last round in
+                    self.contribution.publish(self.dht, self.key, force=True)
             except Exception as e:
                 logger.debug(f"could not announce leaving: {e}")
 

@@ -88,10 +88,10 @@ class PeerCheckpoints:
         peer_id: str,
         path: tuple[int, ...],
         loss: float,
-        router_meta: dict,
+        extra_meta: dict,
     ) -> Path | None:
         """Writes a checkpoint of the peer training `path` (None without --checkpoint_dir);
-        `router_meta`: the router version it trains with (`RouterFollower.meta`)."""
+        `extra_meta`: the router version it trains with (`RouterFollower.meta`), its contribution."""
         if self.config.checkpoint_dir is None:
             return None
         tensors = sync.state_tensors()
@@ -111,7 +111,7 @@ class PeerCheckpoints:
             history=history.entries[-HISTORY_KEPT:],
             own_rounds=history.own_rounds,
             train_seconds=history.train_seconds,
-            **router_meta,
+            **extra_meta,
         )
         path = save_checkpoint(
             Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints

@@ -10,7 +10,8 @@ announces that the peer is leaving and shuts everything down; it is safe to call
 `Peer` holds its parts and calls them; none calls back: `Membership` (claim, views, heartbeat),
 `PathSync` (the sync layer), `RouterFollower` (the route its data is read with; a newer router version
 that is due), `RotationPolicy` (whether it moves at a round's end; the move is `Peer`'s: it rebuilds
-its model, sync layer and data), `PeerCheckpoints` and `ServeLimits` (what others make it upload).
+its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what others make it upload) and
+`ContributionLedger` (its totals over the run).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
 from peer.sync.service import SyncService
 from peer.training.checkpoints import Counters, PeerCheckpoints
+from peer.training.contribution import ContributionLedger
 from peer.training.history import RoundHistory, Throughput
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 from peer.training.joining import join_run, obtain_artifacts, start_node
@@ -70,8 +72,7 @@ class Peer:
         self.serve_limits = ServeLimits(config.serve_limits())  # states, copies and artifacts, together
         # made by start(), in this order; close() shuts down whatever start() got to
         self.device: torch.device | None = None
-        self.dht = None
-        self.key = None
+        self.dht = self.key = None
         self.peer_id = ""
         self.dialback: DialBackService | None = None
         self.reachability: Reachability | None = None
@@ -94,14 +95,13 @@ class Peer:
         self.inner: torch.optim.Optimizer | None = None
         self.sync: PathSync | None = None
         self.batches: Iterator[torch.Tensor] | None = None
-        self.step = 0
-        self.tokens_total = 0
+        self.step = self.tokens_total = self.outer_round = 0
         # a join's cost as a volunteer sees it: from the process's start (imports included) to training
         self.process_started = psutil.Process().create_time()
-        self.outer_round = 0
         self.last_loss = float("nan")
         self.throughput = Throughput()
         self.history = RoundHistory()
+        self.contribution = ContributionLedger(lambda: (self.step, self.tokens_total, self.path_steps))
         #: path index -> inner steps this peer trained on it (several paths once it rotated)
         self.path_steps: dict[int, int] = {}
         #: the move decided at a round's end, made in the loop once that step's syncs are handled
@@ -137,6 +137,7 @@ class Peer:
         )
         self.membership.reachability = self.reachability.state
         self.membership.artifacts = self.artifacts
+        self.membership.contribution = self.contribution.publisher(self.manifest, self.run_id, self.peer_id)
         if self.stop_requested.is_set():
             self.membership.request_stop()
         self.membership.read_claims()
@@ -151,6 +152,7 @@ class Peer:
             f"training path {index} {self.path}: modules {path_module_ids(self.manifest.model, self.path)}"
         )
         self.metrics = PeerMetrics(cfg.run, self.peer_id, str(index), __version__)
+        self.metrics.follow_contribution(self.contribution.meta)
         self.router = RouterFollower(
             self.dht, self.key, cfg, self.manifest, self.record, self.base, self.artifacts, self.metrics
         )
@@ -188,8 +190,7 @@ class Peer:
         new path shares with `kept` (the old path's model) stay as they are, sync state included."""
         m = self.manifest
         ids = path_module_ids(m.model, self.path)
-        # a run with a base model starts every module from it (peer/model/base.py); the modules a
-        # rotation keeps stay as they are
+        # a run with a base model starts every module from it (peer/model/base.py), but kept ones
         modules = base_modules(m.model, self.base, ids) if self.base is not None else {}
         modules.update(dict(kept.parts.items()) if kept is not None else {})
         self.model = PathModel(m.model, self.path, seed=m.seed, modules=modules).to(self.device)
@@ -303,6 +304,7 @@ class Peer:
         self.history.add_sync(done)
         if done.fragment != 0:
             return
+        self.contribution.end_round(done, self.peer_id)
         # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps. The trunk is on every path,
         # so its sync count is the swarm's clock (a peer that synced alone is set back when it repairs).
         self.outer_round = self.sync.outer_round
@@ -386,17 +388,12 @@ class Peer:
 
     def checkpoint(self) -> Path | None:
         """Writes a checkpoint of this peer as it is now (None without --checkpoint_dir)."""
+        counters = Counters(self.step, self.outer_round, self.tokens_total, self.path_steps)
+        meta = {**self.router.meta(), "contribution": self.contribution.meta()}
         return self.checkpoints.save(
-            Counters(self.step, self.outer_round, self.tokens_total, self.path_steps),
-            self.sync,
-            self.model,
-            self.history,
-            run_id=self.run_id,
-            peer_id=self.peer_id,
-            path=self.path,
-            loss=self.last_loss,
-            router_meta=self.router.meta(),
-        )
+            counters, self.sync, self.model, self.history, run_id=self.run_id, peer_id=self.peer_id,
+            path=self.path, loss=self.last_loss, extra_meta=meta,
+        )  # fmt: skip
 
     def _try_checkpoint(self, failed: str) -> bool:
         """A checkpoint whose failure (a full disk) must not stop what the peer is doing: logged as
@@ -413,6 +410,7 @@ class Peer:
         c = self.checkpoints.restore(tensors, meta, index, self.sync, self.model, self.history)
         self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
         self.path_steps = c.path_steps
+        self.contribution.restore(meta, self.peer_id)
 
     def _hand_over(self, modules: list[str]) -> list[str]:
         """Hands `modules` (we are their last holder) to the run's keepers; returns those none took."""
