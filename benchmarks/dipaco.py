@@ -69,14 +69,14 @@ from benchmarks.dipaco_budgets import (
     summarize_budget,
     training_plan,
 )
-from benchmarks.dipaco_report import BASELINES, TARGET_RATIO, plot, table
+from benchmarks.dipaco_report import Measured, plot, summarize, table
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig
 from peer.data.batches import encode_document
 from peer.data.sources import DatasetSpec, load_documents, split_of
-from peer.model.grid import ModelConfig, all_paths, path_module_ids
+from peer.model.grid import ModelConfig
 from peer.model.tokenizer import ByteTokenizer
 from peer.model.transformer import PathModel, count_parameters, parameter_map
-from peer.offline.evaluation import EvalResult, evaluate
+from peer.offline.evaluation import evaluate
 from peer.offline.experiment import DipacoOptions, DipacoRun, run_dipaco
 from peer.offline.simulate import DenseTrainer, SimConfig, dense_shape
 from peer.run.create import parse_grid
@@ -135,18 +135,6 @@ def dataset_spec(args: argparse.Namespace, seed: int | None = None) -> DatasetSp
     return DatasetSpec(kind=kinds[suffix], data_files=[args.data_files], seed=seed)
 
 
-def shared_fraction(cfg: ModelConfig) -> float:
-    """Fraction of one path's parameters that live in modules at least one other path also runs."""
-    paths = all_paths(cfg)
-    holders: dict[str, int] = {}
-    for p in paths:
-        for mid in path_module_ids(cfg, p):
-            holders[mid] = holders.get(mid, 0) + 1
-    model = PathModel(cfg, paths[0])
-    sizes = {mid: count_parameters(model.parts[mid]) for mid in model.module_ids}
-    return sum(n for mid, n in sizes.items() if holders[mid] > 1) / sum(sizes.values())
-
-
 def n_parameters(cfg: ModelConfig) -> int:
     """Every parameter of every module of `cfg`, each counted once (a 1x1 grid is a dense model)."""
     return sum(math.prod(slot.shape) for slot in parameter_map(cfg))
@@ -164,18 +152,6 @@ def all_params_shape(cfg: ModelConfig) -> ModelConfig:
     return min(
         shapes, key=lambda c: (abs(n_parameters(c) - target), c.d_model != cfg.d_model, c.blocks_per_path)
     )
-
-
-@dataclass
-class Measured:
-    """Per model: its description, held-out evaluation, loss curve, shard sizes and training time."""
-
-    models: dict[str, dict] = field(default_factory=dict)
-    evals: dict[str, EvalResult] = field(default_factory=dict)
-    #: name -> (batch-steps of the whole run after each step, training loss of that step)
-    curves: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
-    shards: dict[str, dict[str, int]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -401,52 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "dipaco.md").write_text("# DiPaCo against three dense baselines\n\n" + text + "\n")
     print(text)
     return 0 if math.isfinite(results["ratio"]) else 1
-
-
-def summarize(args, m: Measured, main_sim: SimConfig, spec, n_train: int, options) -> dict:
-    evals, models = m.evals, m.models
-    main_grid = f"{main_sim.model.n_levels}x{main_sim.model.modules_per_level}"
-    composite = evals[f"dipaco {main_grid}"].ppl
-    ppl = {key: evals[name].ppl if name in evals else None for name, key in BASELINES.items()}
-    ratio = {key: composite / v if v else None for key, v in ppl.items()}
-    return dict(
-        composite_ppl=composite,
-        **{f"{key}_ppl": v for key, v in ppl.items()},
-        ratio=ratio["dense"],
-        ratio_same_tokens=ratio["dense_same_tokens"],
-        ratio_all_params=ratio["dense_all_params"],
-        target_ratio=TARGET_RATIO,
-        target_met=ratio["dense"] <= TARGET_RATIO,
-        beats_same_tokens=ratio["dense_same_tokens"] < 1,
-        grid=main_grid,
-        grid_params=models[f"dipaco {main_grid}"]["params"],
-        path_params=models["dense"]["params"],
-        dense_all_params_params=models["dense all params"]["params"]
-        if "dense all params" in models
-        else None,
-        grids={name: x["ppl"] for name, x in models.items() if name.startswith("dipaco")},
-        model_budgets={name: dict(steps=x["steps"], tokens=x["tokens"]) for name, x in models.items()},
-        steps_per_path=args.steps_per_path,
-        warm_start_steps=args.warm_start_steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        shared_fraction=shared_fraction(main_sim.model),
-        shared_fractions={
-            f"{c.n_levels}x{c.modules_per_level}": shared_fraction(c)
-            for c in (ModelConfig(**models[n]["cfg"]) for n in models if n.startswith("dipaco"))
-        },
-        shard_sizes=m.shards[f"dipaco {main_grid}"],
-        all_shard_sizes=m.shards,
-        eval_docs=evals["dense"].docs,
-        eval_tokens=evals["dense"].tokens,
-        data=spec.model_dump(),
-        train_docs=n_train,
-        options=options.model_dump(),
-        args={k: str(v) for k, v in vars(args).items()},
-        torch_threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(),
-        models=models,
-    )
 
 
 if __name__ == "__main__":
