@@ -126,16 +126,14 @@ def spread(values: Sequence[float | None]) -> dict | None:
 def epochs_line(
     corpus_tokens: int, n_docs: int, plan: dict[str, dict[str, int]], tokens_per_step: int
 ) -> str:
-    """What each budget implies BEFORE training: tokens per arm over the corpus's training tokens."""
-    parts = []
+    """What each budget implies BEFORE training: tokens per arm over the corpus's training tokens,
+    one line per budget under one line for the corpus."""
+    lines = [f"corpus: {n_docs:,} training documents, {corpus_tokens:,} tokens; epochs each budget implies:"]
     for label, arms in plan.items():
         eps = {arm: steps * tokens_per_step / corpus_tokens for arm, steps in arms.items()}
-        top = max(eps.values())
-        note = " — corpus too small: data repeats" if top > 1 else ""
-        parts.append(f"budget {label}: " + ", ".join(f"{a} {e:.2f}" for a, e in eps.items()) + note)
-    return f"corpus: {n_docs:,} training documents, {corpus_tokens:,} tokens; epochs per arm: " + "; ".join(
-        parts
-    )
+        note = "  <- corpus too small for this budget: data repeats" if max(eps.values()) > 1 else ""
+        lines.append(f"  budget {label}: " + ", ".join(f"{a} {e:.2f}" for a, e in eps.items()) + note)
+    return "\n".join(lines)
 
 
 def summarize_budget(factor: float, seeds: list[int], runs: list[dict]) -> dict:
