@@ -7,8 +7,10 @@ into the `budgets` section of dipaco.json (mean and spread over seeds, tokens pe
 of each arm over its own training data), finds where composite / baseline crosses 1 and plots it.
 
 Crossover: where two measured budgets straddle a ratio of 1, the point between them, linear in log
-tokens per parameter; otherwise the least-squares straight line of ratio against log10 tokens per
-parameter through all budgets' means, solved for 1: an extrapolation, and labelled one.
+tokens per parameter; otherwise the straight line of ratio against log10 tokens per parameter through
+the two largest budgets' means (the trend where the sweep ends: the ratio's fall flattens with the
+budget, so a fit through all budgets would meet 1 too early), solved for 1: an extrapolation, and
+labelled one. The least-squares slope through all budgets is recorded beside it.
 """
 
 from __future__ import annotations
@@ -177,9 +179,10 @@ def crossover(xs: Sequence[float], ratios: Sequence[float]) -> dict:
     lx = [math.log10(x) for x, _ in pts]
     ys = [r for _, r in pts]
     mx, my = statistics.fmean(lx), statistics.fmean(ys)
-    slope = sum((a - mx) * (b - my) for a, b in zip(lx, ys, strict=True)) / sum((a - mx) ** 2 for a in lx)
-    intercept = my - slope * mx
-    line = dict(slope_per_decade=slope, intercept=intercept)
+    fit_all = sum((a - mx) * (b - my) for a, b in zip(lx, ys, strict=True)) / sum((a - mx) ** 2 for a in lx)
+    slope = (ys[-1] - ys[-2]) / (lx[-1] - lx[-2])
+    intercept = ys[-1] - slope * lx[-1]
+    line = dict(slope_per_decade=slope, intercept=intercept, slope_per_decade_all_budgets=fit_all)
     if slope == 0 or abs((1 - intercept) / slope) > 30:
         return dict(
             reached=False, tokens_per_param=None, method="extrapolation: the line never meets 1", **line
@@ -239,15 +242,23 @@ def plot_budgets(out, budgets: dict[str, dict], found: dict[str, dict]) -> None:
                 fontsize=8,
             )
         elif "slope_per_decade" in c:
-            end = c["tokens_per_param"] or max(xs) * 10
-            end = min(max(end, max(xs)), max(xs) * 1e4)  # a line that meets 1 absurdly far is cut off
-            line_x = [min(xs), end]
+            # from the second-largest budget (the line's first point) to where it meets 1, cut off
+            # if that is absurdly far
+            meet = c["tokens_per_param"] or max(xs) * 10
+            line_x = [min(sorted(xs)[-2], meet), min(max(meet, max(xs)), max(xs) * 1e4)]
             line_y = [c["intercept"] + c["slope_per_decade"] * math.log10(x) for x in line_x]
             where = (
                 f" meets 1 at ≈ {c['tokens_per_param']:.3g}" if c["tokens_per_param"] else " never meets 1"
             )
-            ax.plot(line_x, line_y, ls="--", color=color, lw=1, label=f"extrapolation (not measured):{where}")
-            if c["tokens_per_param"] and c["tokens_per_param"] <= end:
+            ax.plot(
+                line_x,
+                line_y,
+                ls="--",
+                color=color,
+                lw=1,
+                label=f"extrapolated from the two largest budgets (not measured):{where}",
+            )
+            if c["tokens_per_param"] and c["tokens_per_param"] <= line_x[1]:
                 ax.plot([c["tokens_per_param"]], [1.0], marker="x", color=color, ms=9)
     tops = [max(b[k]["mean"] for k in found if b[k]) if found else 1.0 for b in budgets.values()]
     for label, x, y in zip(budgets, xs, tops, strict=True):
