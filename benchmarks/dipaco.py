@@ -21,7 +21,7 @@ AdamW (the base's optimizer state is dropped, as for every path) and a fresh war
 their own steps, through the same `DenseTrainer` and `InnerLoop` as the base and the paths. Every
 batch has the same shape. Held-out documents are routed by their first 32 tokens and scored after
 them (peer/offline/evaluation.py). Writes DIR/dipaco.json, DIR/dipaco.png and DIR/dipaco.md, and
-prints the table.
+prints the table; DIR/dipaco_runs.json holds each finished (budget, seed) run as soon as it ends.
 
 Budgets and seeds (`benchmarks/dipaco_budgets.py`): `--budgets 1,4,16` multiplies every arm's steps
 alike (warm start, steps per path, every baseline) on the same corpus, and `--seeds 1,2` repeats each
@@ -354,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             results, curves = run_once(b, spec)
             per_budget.setdefault(label, []).append(results)
+            # every finished run on disk at once: a sweep stopped at a time limit keeps what it measured
+            partial = json.dumps(per_budget, indent=1, default=str)
+            (args.out / "dipaco_runs.json").write_text(partial + "\n")
             if label == headline_label and seed == seeds[0]:
                 headline = (results, curves)
     assert headline is not None

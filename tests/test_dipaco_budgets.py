@@ -67,6 +67,7 @@ def test_budget_two_trains_every_arm_twice_the_steps_of_budget_one_and_seeds_giv
     # the one run the older keys describe: budget 1, first seed
     assert r["composite_ppl"] == one["composite_ppl"]["per_seed"][0] and r["steps_per_path"] == 4
     assert (tmp_path / "dipaco_budgets.png").stat().st_size > 10_000
+    assert set(json.loads((tmp_path / "dipaco_runs.json").read_text())) == {"1", "2"}
     assert "| ×2 |" in (tmp_path / "dipaco.md").read_text()
 
 
