@@ -21,10 +21,23 @@ AdamW (the base's optimizer state is dropped, as for every path) and a fresh war
 their own steps, through the same `DenseTrainer` and `InnerLoop` as the base and the paths. Every
 batch has the same shape. Held-out documents are routed by their first 32 tokens and scored after
 them (peer/offline/evaluation.py). Writes DIR/dipaco.json, DIR/dipaco.png and DIR/dipaco.md, and
-prints the table.
+prints the table; DIR/dipaco_runs.json holds each finished (budget, seed) run as soon as it ends.
+
+Budgets and seeds (`benchmarks/dipaco_budgets.py`): `--budgets 1,4,16` multiplies every arm's steps
+alike (warm start, steps per path, every baseline) on the same corpus, and `--seeds 1,2` repeats each
+budget with another initialisation and data order (the corpus and its held-out split stay). Before
+training it prints the corpus's tokens and the epochs each budget implies per arm; dipaco.json's
+`budgets` holds per budget the four perplexities and the ratios (mean and spread over seeds), tokens
+per parameter and each arm's epochs over its own data (above 1: the corpus was too small and data
+repeated), `crossover` where composite / baseline meets 1, and DIR/dipaco_budgets.png plots it. The
+other top-level keys, the table and DIR/dipaco.png describe one run: budget 1 (or the first listed)
+with the first seed. The default (budgets 0.5 and 1, seeds 1 and 2) takes about 15 minutes on two
+CPU cores; larger budgets are for `--device cuda` (`benchmarks/dipaco_device.sh`).
 
 Data: the built-in offline multi-domain corpus, or --data_files (one document per line .txt, or
-.jsonl with a "text" field).
+.jsonl with a "text" field), e.g. real text from `python -m benchmarks.stdlib_corpus --out F.jsonl`.
+`--device` (auto: CUDA when there is one) is where everything trains and is scored; on CUDA with
+bf16 autocast, as a peer trains.
 """
 
 from __future__ import annotations
@@ -43,23 +56,33 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from benchmarks.dipaco_budgets import (
+    budgets_table,
+    crossovers,
+    device_record,
+    epochs_line,
+    parse_budgets,
+    parse_seeds,
+    plot_budgets,
+    resolve_device,
+    scaled_args,
+    summarize_budget,
+    training_plan,
+)
+from benchmarks.dipaco_report import Measured, plot, summarize, table
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig
+from peer.data.batches import encode_document
 from peer.data.sources import DatasetSpec, load_documents, split_of
-from peer.model.grid import ModelConfig, all_paths, path_module_ids
+from peer.model.grid import ModelConfig
 from peer.model.tokenizer import ByteTokenizer
 from peer.model.transformer import PathModel, count_parameters, parameter_map
-from peer.offline.evaluation import EvalResult, evaluate
+from peer.offline.evaluation import evaluate
 from peer.offline.experiment import DipacoOptions, DipacoRun, run_dipaco
 from peer.offline.simulate import DenseTrainer, SimConfig, dense_shape
 from peer.run.create import parse_grid
 
-TARGET_RATIO = 0.92  # the paper's 2x4 grid: 14.86 / 16.23 composite over dense path-size perplexity
-#: the three baselines: model name in the JSON and table -> prefix of its top-level keys
-BASELINES = {
-    "dense": "dense",
-    "dense same tokens": "dense_same_tokens",
-    "dense all params": "dense_all_params",
-}
+#: the default sweep: about 15 minutes for both seeds on two CPU cores (budget 1 is the former run)
+DEFAULT_BUDGETS = "0.5,1"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--relabel_at", type=float, default=0.0, help="discriminative re-routing after this fraction"
     )
     p.add_argument("--max_eval_docs", type=int, default=400)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="step multipliers of every arm, e.g. 1,4,16")
+    p.add_argument("--seeds", default="1,2", help="initialisation and data-order seeds, e.g. 1,2")
+    p.add_argument(
+        "--data_seed", type=int, default=0, help="seed of the built-in corpus (same for all seeds)"
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--no_dense_all_params",
@@ -95,26 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+def dataset_spec(args: argparse.Namespace, seed: int | None = None) -> DatasetSpec:
+    """The corpus of --data_files or the built-in one (generated from `seed`, default `args.seed`)."""
+    seed = args.seed if seed is None else seed
     if not args.data_files:
-        return DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs, seed=args.seed)
+        return DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs, seed=seed)
     suffix = args.data_files.rsplit(".", 1)[-1].lower()
     kinds = {"txt": "text", "jsonl": "json", "json": "json"}
     if suffix not in kinds:
         raise SystemExit(f"--data_files {args.data_files!r}: expected .txt or .jsonl files")
-    return DatasetSpec(kind=kinds[suffix], data_files=[args.data_files], seed=args.seed)
-
-
-def shared_fraction(cfg: ModelConfig) -> float:
-    """Fraction of one path's parameters that live in modules at least one other path also runs."""
-    paths = all_paths(cfg)
-    holders: dict[str, int] = {}
-    for p in paths:
-        for mid in path_module_ids(cfg, p):
-            holders[mid] = holders.get(mid, 0) + 1
-    model = PathModel(cfg, paths[0])
-    sizes = {mid: count_parameters(model.parts[mid]) for mid in model.module_ids}
-    return sum(n for mid, n in sizes.items() if holders[mid] > 1) / sum(sizes.values())
+    return DatasetSpec(kind=kinds[suffix], data_files=[args.data_files], seed=seed)
 
 
 def n_parameters(cfg: ModelConfig) -> int:
@@ -136,110 +154,24 @@ def all_params_shape(cfg: ModelConfig) -> ModelConfig:
     )
 
 
-def smooth(values: list[float], n: int = 25) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= n:
-            acc -= values[i - n]
-        out.append(acc / min(i + 1, n))
-    return out
-
-
-def plot(out: Path, results: dict, curves: dict[str, tuple[list[int], list[float]]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = list(results["models"])
-    ppls = [results["models"][n]["ppl"] for n in names]
-    colors = ["#888888" if n.startswith("dense") else "#1f77b4" for n in names]
-    bars = left.bar([n.replace(" ", "\n", 1) for n in names], ppls, color=colors)
-    labels = [
-        f"{p:.3f}" + (f"\ncomposite/this\n{results['composite_ppl'] / p:.3f}" if n in BASELINES else "")
-        for n, p in zip(names, ppls, strict=True)
-    ]
-    left.bar_label(bars, labels=labels, fontsize=8)
-    left.axhline(TARGET_RATIO * results["dense_ppl"], ls="--", color="red", lw=1, label="0.92 x dense")
-    left.set_ylim(0, max(ppls) * 1.35)
-    left.set_ylabel("held-out perplexity (tokens after the first 32)")
-    left.set_title(f"{results['warm_start_steps']} base steps, then {results['steps_per_path']} per path")
-    left.legend(loc="upper left", fontsize=8)
-    for name, (steps, losses) in curves.items():
-        style = dict(color="black", lw=2) if name == "base" else dict(lw=1)
-        right.plot(steps, smooth(losses), label=name, **style)
-    right.set_xlabel("batch-steps so far (all paths together; the base counted once)")
-    right.set_ylabel("training loss (smoothed)")
-    right.set_yscale("log")
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def budget(m: dict) -> str:
-    after = f"{m['steps_after_base']:,}"
-    if m["paths"] > 1:
-        after = f"{m['paths']} × {m['steps_after_base'] // m['paths']:,}"
-    return f"{m['base_steps']} + {after} = {m['steps']:,}"
-
-
-def table(results: dict) -> str:
-    lines = [
-        "| model | paths | params (all) | params per path | batch-steps (base + after) | tokens "
-        "| held-out ppl | composite / this |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, m in results["models"].items():
-        ratio = f"{results['composite_ppl'] / m['ppl']:.3f}" if name in BASELINES else "—"
-        lines.append(
-            f"| {name} | {m['paths']} | {m['params']:,} | {m['params_per_path']:,} | {budget(m)} "
-            f"| {m['tokens']:,} | {m['ppl']:.3f} | {ratio} |"
-        )
-    return "\n".join(lines + [""] + verdicts(results))
-
-
-def verdicts(r: dict) -> list[str]:
-    lines = [
-        f"composite / dense ({r['grid']}, equal steps per path; target <= {TARGET_RATIO}): "
-        f"{r['ratio']:.3f}, {'met' if r['target_met'] else 'missed'}",
-        f"composite / dense same tokens (DiPaCo earns its keep below 1): {r['ratio_same_tokens']:.3f}, "
-        + ("DiPaCo beats it" if r["beats_same_tokens"] else "DiPaCo does not beat it"),
-    ]
-    if r["ratio_all_params"] is not None:
-        lines.append(
-            f"composite / dense all params ({r['dense_all_params_params']:,} params against the grid's "
-            f"{r['grid_params']:,}; same tokens, from scratch): {r['ratio_all_params']:.3f}"
-        )
-    return lines + [
-        f"batch {r['batch_size']} x {r['seq_len']} tokens; held-out docs {r['eval_docs']}, scored tokens "
-        f"{r['eval_tokens']:,}; shared fraction {r['shared_fraction']:.2f}; wall {r['wall_seconds']:.0f} s",
-    ]
-
-
-@dataclass
-class Measured:
-    """Per model: its description, held-out evaluation, loss curve, shard sizes and training time."""
-
-    models: dict[str, dict] = field(default_factory=dict)
-    evals: dict[str, EvalResult] = field(default_factory=dict)
-    #: name -> (batch-steps of the whole run after each step, training loss of that step)
-    curves: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
-    shards: dict[str, dict[str, int]] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-
 @dataclass
 class Bench:
-    """What every phase reads: the arguments, the data and where the measurements go."""
+    """What every phase reads: the arguments (one budget's and seed's), the data, where the
+    measurements go, and the log's tag and clock."""
 
     args: argparse.Namespace
     train: list[str]
     held_out: list[str]
     tok: ByteTokenizer
+    #: tokens of the training documents as they are trained on (BOS + bytes + EOS each)
+    corpus_tokens: int
+    tag: str = ""
+    started: float = field(default_factory=time.monotonic)
     m: Measured = field(default_factory=Measured)
+
+    def log(self, message: str) -> None:
+        elapsed = int(time.monotonic() - self.started)
+        print(f"[{self.tag} | {elapsed // 60}m{elapsed % 60:02d}s] {message}", flush=True)
 
 
 def sim_config(args: argparse.Namespace, levels: int, k: int, inner: InnerOptimizerConfig) -> SimConfig:
@@ -261,14 +193,19 @@ def sim_config(args: argparse.Namespace, levels: int, k: int, inner: InnerOptimi
         inner_steps=args.inner_steps,
         inner=inner,
         outer=OuterOptimizerConfig(lr=args.outer_lr, momentum=args.outer_momentum),
+        device=args.device,
     )
+
+
+def corpus_tokens(docs: list[str], tok: ByteTokenizer) -> int:
+    return sum(len(encode_document(tok, t)) for t in docs)
 
 
 def train_grid(b: Bench, cfg: SimConfig, options: DipacoOptions) -> DipacoRun:
     """One DiPaCo grid, base included, scored on the held-out documents."""
     n, warm, per_path = cfg.model.n_paths, b.args.warm_start_steps, b.args.steps_per_path
     name = f"dipaco {cfg.model.n_levels}x{cfg.model.modules_per_level}"
-    print(f"{name}: base {warm} steps, then {n} paths x {per_path} steps", flush=True)
+    b.log(f"{name}: base {warm} steps, then {n} paths x {per_path} steps")
     t0 = time.monotonic()
     run = run_dipaco(cfg, b.train, b.tok, per_path, options)
     b.m.timings[name] = time.monotonic() - t0
@@ -277,6 +214,13 @@ def train_grid(b: Bench, cfg: SimConfig, options: DipacoOptions) -> DipacoRun:
     loops = [s.loop for s in run.sim.paths.values()]
     mean = [sum(x) / n for x in zip(*(lp.losses for lp in loops), strict=True)]
     b.m.curves[name] = ([warm + n * (i + 1) for i in range(len(mean))], mean)
+    base_tokens = run.base_trainer.loop.tokens_seen
+    # A path reads the corpus during the base, then only its own shard (the last one, if re-routed).
+    path_epochs = {
+        str(p): base_tokens / b.corpus_tokens + run.sim.paths[p].loop.tokens_seen / corpus_tokens(d, b.tok)
+        for p, d in run.shards.items()
+    }
+    tokens = base_tokens + sum(lp.tokens_seen for lp in loops)
     b.m.models[name] = dict(
         paths=n,
         params=n_parameters(cfg.model),
@@ -284,9 +228,14 @@ def train_grid(b: Bench, cfg: SimConfig, options: DipacoOptions) -> DipacoRun:
         base_steps=warm,
         steps_after_base=sum(lp.step_count for lp in loops),
         steps=warm + sum(lp.step_count for lp in loops),
-        tokens=run.base_trainer.loop.tokens_seen + sum(lp.tokens_seen for lp in loops),
+        tokens=tokens,
+        path_tokens=base_tokens + sum(lp.tokens_seen for lp in loops) / n,
+        epochs=tokens / b.corpus_tokens,
+        path_epochs=path_epochs,
+        max_path_epochs=max(path_epochs.values()),
         cfg=cfg.model,
     )
+    b.log(f"{name}: trained in {b.m.timings[name]:.0f} s, held-out ppl {b.m.evals[name].ppl:.3f}")
     return run
 
 
@@ -300,6 +249,7 @@ def train_baseline(
     b.m.evals[name] = evaluate(model, b.held_out, b.tok, run.route, context=b.args.seq_len)
     b.m.curves[name] = ([base[0] + i + 1 for i in range(steps)], trainer.loop.losses)
     n = count_parameters(model)
+    tokens = base[1] + trainer.loop.tokens_seen
     b.m.models[name] = dict(
         paths=1,
         params=n,
@@ -307,9 +257,11 @@ def train_baseline(
         base_steps=base[0],
         steps_after_base=trainer.loop.step_count,
         steps=base[0] + trainer.loop.step_count,
-        tokens=base[1] + trainer.loop.tokens_seen,
+        tokens=tokens,
+        epochs=tokens / b.corpus_tokens,
         cfg=model.cfg,
     )
+    b.log(f"{name}: trained in {b.m.timings[name]:.0f} s, held-out ppl {b.m.evals[name].ppl:.3f}")
 
 
 def train_baselines(b: Bench, run: DipacoRun) -> None:
@@ -318,17 +270,14 @@ def train_baselines(b: Bench, run: DipacoRun) -> None:
     n_paths, warm = sim.model.n_paths, args.warm_start_steps
     base = (warm, run.base_trainer.loop.tokens_seen)
     for name, steps in (("dense", args.steps_per_path), ("dense same tokens", n_paths * args.steps_per_path)):
-        print(
-            f"{name}: path-size, the base + {steps} steps (fresh AdamW and warm-up, as each path)", flush=True
-        )
+        b.log(f"{name}: path-size, the base + {steps} steps (fresh AdamW and warm-up, as each path)")
         train_baseline(b, name, run.dense_baseline(steps, desc=name), steps, base, run)
     if args.no_dense_all_params:
         return
     cfg, total = all_params_shape(sim.model), warm + n_paths * args.steps_per_path
-    print(
+    b.log(
         f"dense all params: {cfg.blocks_per_path} blocks of d={cfg.d_model}, {n_parameters(cfg):,} params "
-        f"(grid {n_parameters(sim.model):,}); {total} steps from scratch",
-        flush=True,
+        f"(grid {n_parameters(sim.model):,}); {total} steps from scratch"
     )
     trainer = DenseTrainer(
         sim, b.train, b.tok, total, model=PathModel(cfg, (0,), seed=sim.seed), desc="dense all params"
@@ -337,7 +286,7 @@ def train_baselines(b: Bench, run: DipacoRun) -> None:
 
 
 def load_data(args: argparse.Namespace) -> tuple[DatasetSpec, list[str], list[str]]:
-    spec = dataset_spec(args)
+    spec = dataset_spec(args, seed=args.data_seed)
     docs = list(load_documents(spec))
     train = [t for t in docs if split_of(t, spec) == "train"]
     held_out = [t for t in docs if split_of(t, spec) == "eval"][: args.max_eval_docs]
@@ -346,14 +295,9 @@ def load_data(args: argparse.Namespace) -> tuple[DatasetSpec, list[str], list[st
     return spec, train, held_out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.monotonic()
-    args.out.mkdir(parents=True, exist_ok=True)
-    spec, train, held_out = load_data(args)
-    b = Bench(args, train, held_out, ByteTokenizer())
+def run_once(b: Bench, spec: DatasetSpec) -> tuple[dict, dict]:
+    """Every grid and baseline of one budget and seed: (results, loss curves)."""
+    args = b.args
     options = DipacoOptions(
         warm_start_steps=args.warm_start_steps,
         router_features=args.router_features,
@@ -377,61 +321,65 @@ def main(argv: list[str] | None = None) -> int:
     for name, model in b.m.models.items():
         model.update(ppl=b.m.evals[name].ppl, eval=b.m.evals[name].to_dict(), train_seconds=b.m.timings[name])
         model["cfg"] = model["cfg"].model_dump()
-    results = summarize(args, b.m, headline.sim.cfg, spec, len(train), options)
-    results["wall_seconds"] = time.monotonic() - started
-    results["cpu_seconds"] = time.process_time()
+    return summarize(args, b.m, headline.sim.cfg, spec, len(b.train), options), b.m.curves
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    budgets, seeds = parse_budgets(args.budgets), parse_seeds(args.seeds)
+    args.device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    spec, train, held_out = load_data(args)
+    tok = ByteTokenizer()
+    n_tokens = corpus_tokens(train, tok)
+    plan = training_plan(args, budgets)
+    print(epochs_line(n_tokens, len(train), plan, args.batch_size * args.seq_len), flush=True)
+    print(f"device {args.device}; budgets {[lb for lb, _ in budgets]} x seeds {seeds}", flush=True)
+    per_budget: dict[str, list[dict]] = {}
+    headline_label = "1" if "1" in dict(budgets) else budgets[0][0]
+    headline: tuple[dict, dict] | None = None
+    for label, factor in budgets:
+        for seed in seeds:
+            b = Bench(
+                scaled_args(args, factor, seed),
+                train,
+                held_out,
+                tok,
+                n_tokens,
+                f"x{label} seed {seed}",
+                started,
+            )
+            results, curves = run_once(b, spec)
+            per_budget.setdefault(label, []).append(results)
+            # every finished run on disk at once: a sweep stopped at a time limit keeps what it measured
+            partial = json.dumps(per_budget, indent=1, default=str)
+            (args.out / "dipaco_runs.json").write_text(partial + "\n")
+            if label == headline_label and seed == seeds[0]:
+                headline = (results, curves)
+    assert headline is not None
+    results, curves = headline
+    sweep = {label: summarize_budget(f, seeds, per_budget[label]) for label, f in budgets}
+    found = crossovers(sweep)
+    results.update(
+        budgets=sweep,
+        crossover=found,
+        headline_budget=headline_label,
+        headline_seed=seeds[0],
+        corpus_tokens=n_tokens,
+        **device_record(args.device),
+        wall_seconds=time.monotonic() - started,
+        cpu_seconds=time.process_time(),
+    )
     (args.out / "dipaco.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    plot(args.out / "dipaco.png", results, b.m.curves)
-    text = table(results)
+    plot(args.out / "dipaco.png", results, curves)
+    plot_budgets(args.out / "dipaco_budgets.png", sweep, found)
+    text = table(results) + "\n\n" + budgets_table(sweep, found)
     (args.out / "dipaco.md").write_text("# DiPaCo against three dense baselines\n\n" + text + "\n")
     print(text)
     return 0 if math.isfinite(results["ratio"]) else 1
-
-
-def summarize(args, m: Measured, main_sim: SimConfig, spec, n_train: int, options) -> dict:
-    evals, models = m.evals, m.models
-    main_grid = f"{main_sim.model.n_levels}x{main_sim.model.modules_per_level}"
-    composite = evals[f"dipaco {main_grid}"].ppl
-    ppl = {key: evals[name].ppl if name in evals else None for name, key in BASELINES.items()}
-    ratio = {key: composite / v if v else None for key, v in ppl.items()}
-    return dict(
-        composite_ppl=composite,
-        **{f"{key}_ppl": v for key, v in ppl.items()},
-        ratio=ratio["dense"],
-        ratio_same_tokens=ratio["dense_same_tokens"],
-        ratio_all_params=ratio["dense_all_params"],
-        target_ratio=TARGET_RATIO,
-        target_met=ratio["dense"] <= TARGET_RATIO,
-        beats_same_tokens=ratio["dense_same_tokens"] < 1,
-        grid=main_grid,
-        grid_params=models[f"dipaco {main_grid}"]["params"],
-        path_params=models["dense"]["params"],
-        dense_all_params_params=models["dense all params"]["params"]
-        if "dense all params" in models
-        else None,
-        grids={name: x["ppl"] for name, x in models.items() if name.startswith("dipaco")},
-        budgets={name: dict(steps=x["steps"], tokens=x["tokens"]) for name, x in models.items()},
-        steps_per_path=args.steps_per_path,
-        warm_start_steps=args.warm_start_steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        shared_fraction=shared_fraction(main_sim.model),
-        shared_fractions={
-            f"{c.n_levels}x{c.modules_per_level}": shared_fraction(c)
-            for c in (ModelConfig(**models[n]["cfg"]) for n in models if n.startswith("dipaco"))
-        },
-        shard_sizes=m.shards[f"dipaco {main_grid}"],
-        all_shard_sizes=m.shards,
-        eval_docs=evals["dense"].docs,
-        eval_tokens=evals["dense"].tokens,
-        data=spec.model_dump(),
-        train_docs=n_train,
-        options=options.model_dump(),
-        args={k: str(v) for k, v in vars(args).items()},
-        torch_threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count(),
-        models=models,
-    )
 
 
 if __name__ == "__main__":

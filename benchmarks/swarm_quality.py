@@ -44,7 +44,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/dipaco.py
 
 import torch
 
-from benchmarks.dipaco import TARGET_RATIO, all_params_shape, dataset_spec, n_parameters, shared_fraction
+from benchmarks.dipaco import all_params_shape, dataset_spec, n_parameters
+from benchmarks.dipaco_report import TARGET_RATIO, shared_fraction
 from dht.identity import load_identity
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, SyncConfig

@@ -166,6 +166,7 @@ def test_dipaco_benchmark_reports_three_baselines_at_their_stated_budgets(tmp_pa
     warm, per_path = 6, 10
     argv = f"--out {tmp_path} --builtin_docs 400 --steps_per_path {per_path} --warm_start_steps {warm}"
     argv += " --d_model 32 --seq_len 32 --batch_size 4 --inner_steps 5 --max_eval_docs 20"
+    argv += " --budgets 1 --seeds 1 --device cpu"
     assert dipaco.main(argv.split()) == 0
     r = json.loads((tmp_path / "dipaco.json").read_text())
     for key in ("composite_ppl", "dense_ppl", "dense_same_tokens_ppl", "dense_all_params_ppl"):

@@ -31,6 +31,7 @@ from peer.model.tokenizer import Tokenizer
 from peer.model.transformer import GridModel, PathModel
 from peer.offline.evaluation import PREFIX_TOKENS, score_documents
 from peer.offline.simulate import DenseTrainer, DipacoSim, SimConfig, warm_start_modules
+from peer.training.inner import device_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def run_dipaco(
     if o.warm_start_steps:
         base = copy.deepcopy(base_trainer.train(o.warm_start_steps))
     use_base = base is not None and o.router_features == "base"
-    features = base if use_base else feature_model(mcfg, cfg.seed)
+    features = base if use_base else feature_model(mcfg, cfg.seed).to(device_of(cfg.device))
     router_tokens = [encode_document(tokenizer, t) for t in train_docs[: o.router_docs]]
     feats = prefix_features(features, router_tokens, PREFIX_TOKENS)
     kind = o.router_kind if mcfg.n_levels > 1 else "kmeans"

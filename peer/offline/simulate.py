@@ -7,8 +7,10 @@ and one `ModuleSync` (global copy + SGD-Nesterov) takes the outer step, whose re
 every path's local copy. That is what the swarm's holders do over the network, minus the network.
 
 `train_dense` trains the baselines (a single stack of the same blocks, or any `dense_shape`) with the
-same inner optimizer and batches. `warm_start_modules` cuts a trained dense model into grid modules so
-every path starts from one base model, as the DiPaCo paper does.
+same inner optimizer and batches. Every model trains on `SimConfig.device` as a peer's does (bf16
+autocast on CUDA, `peer.training.inner`); the batches come from the CPU and the global copies of the
+outer optimizer stay there, as a peer keeps them. `warm_start_modules` cuts a trained dense model
+into grid modules so every path starts from one base model, as the DiPaCo paper does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from peer.model.tokenizer import Tokenizer
 from peer.model.transformer import GridModel, PathModel
 from peer.seeding import stable_seed
 from peer.sync.module_sync import ModuleSync
-from peer.training.inner import inner_step, make_inner_optimizer, tokens_in
+from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 
 ModuleStates = dict[str, dict[str, torch.Tensor]]
 
@@ -45,6 +47,8 @@ class SimConfig(BaseModel):
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer syncs")
     inner: InnerOptimizerConfig = InnerOptimizerConfig()
     outer: OuterOptimizerConfig = OuterOptimizerConfig()
+    #: where every model of the simulation trains and is scored: "cpu", "cuda[:N]" or "auto"
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$")
 
     @classmethod
     def from_manifest(cls, manifest: RunManifest, batch_size: int = 16) -> SimConfig:
@@ -94,10 +98,19 @@ def document_batches(
 
 
 class InnerLoop:
-    """One model, its AdamW and its batches: the inner loop of a peer (`peer.training.inner`)."""
+    """One model, its AdamW and its batches: the inner loop of a peer (`peer.training.inner`). The model
+    moves to `device` before its optimizer is made; each batch follows it there."""
 
-    def __init__(self, model: PathModel, batches: PathBatches, inner: InnerOptimizerConfig, total_steps: int):
-        self.model = model
+    def __init__(
+        self,
+        model: PathModel,
+        batches: PathBatches,
+        inner: InnerOptimizerConfig,
+        total_steps: int,
+        device: str | torch.device = "cpu",
+    ):
+        self.device = device_of(device) if isinstance(device, str) else device
+        self.model = model.to(self.device)
         self.batches = batches
         self.inner = inner
         self.total_steps = total_steps
@@ -109,8 +122,11 @@ class InnerLoop:
 
     def step(self) -> float:
         self.model.train()
-        batch = next(self.batches)
-        loss = inner_step(self.model, self.opt, batch, self.inner, self.step_count, self.total_steps)
+        batch = next(self.batches).to(self.device, non_blocking=True)
+        autocast = autocast_for(self.device)
+        loss = inner_step(
+            self.model, self.opt, batch, self.inner, self.step_count, self.total_steps, autocast
+        )
         self.step_count += 1
         self.tokens_since_sync += tokens_in(batch)
         self.tokens_seen += tokens_in(batch)
@@ -138,7 +154,7 @@ class DenseTrainer:
         if model is None:
             model = PathModel(dense_config(cfg.model, width_multiplier), (0,), seed=cfg.seed)
         batches = document_batches(docs, tokenizer, cfg.seq_len, cfg.batch_size, stable_seed(cfg.seed, desc))
-        self.loop = InnerLoop(model, batches, cfg.inner, total_steps=schedule_steps)
+        self.loop = InnerLoop(model, batches, cfg.inner, total_steps=schedule_steps, device=cfg.device)
         self.progress, self.desc = progress, desc
 
     @property
@@ -242,9 +258,8 @@ class DipacoSim:
             index = len(self.paths)
             local = {mid: copy.deepcopy(reference.grid[mid]) for mid in path_module_ids(mcfg, path)}
             model = PathModel(mcfg, path, modules=local)
-            loop = InnerLoop(
-                model, self._batches(index, self.shards[index]), self.cfg.inner, self.total_steps
-            )
+            batches = self._batches(index, self.shards[index])
+            loop = InnerLoop(model, batches, self.cfg.inner, self.total_steps, device=self.cfg.device)
             self.paths[index] = PathState(index, loop, len(self.shards[index]))
             for mid in model.module_ids:
                 self.holders[mid].append(index)
@@ -319,14 +334,15 @@ class DipacoSim:
         return out
 
     def grid(self) -> GridModel:
-        """A GridModel holding the global copies (what the checkpoints of the swarm hold)."""
+        """A GridModel holding the global copies (what the checkpoints of the swarm hold), on the
+        simulation's device so that scoring it runs there too."""
         grid = GridModel(self.cfg.model, seed=self.cfg.seed)
         state = self.global_state()
         with torch.no_grad():
             for mid, module in grid.grid.items():
                 for name, p in module.named_parameters():
                     p.copy_(state[f"{mid}/global/{name}"])
-        return grid.eval()
+        return grid.to(device_of(self.cfg.device)).eval()
 
     def path_model(self, index: int) -> PathModel:
         return self.paths[index].loop.model

@@ -1,0 +1,87 @@
+"""The budget sweep of `benchmarks.dipaco`: budgets multiply every arm's counted steps, seeds change
+the runs, dipaco.json's `budgets` and `crossover` carry what the crossover plot needs."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from benchmarks import dipaco
+from benchmarks.dipaco_budgets import crossover, parse_budgets
+
+ARMS = ("dipaco 2x2", "dense", "dense same tokens", "dense all params")
+
+
+def test_budget_two_trains_every_arm_twice_the_steps_of_budget_one_and_seeds_give_a_spread(tmp_path):
+    argv = f"--out {tmp_path} --builtin_docs 400 --steps_per_path 4 --warm_start_steps 3 --d_model 16"
+    argv += " --seq_len 16 --batch_size 2 --inner_steps 2 --max_eval_docs 20 --budgets 1,2 --seeds 1,2"
+    argv += " --device cpu --threads 1"
+    assert dipaco.main(argv.split()) == 0
+    r = json.loads((tmp_path / "dipaco.json").read_text())
+    one, two = r["budgets"]["1"], r["budgets"]["2"]
+    # steps are the loops' own counts (InnerLoop.step_count), not the requested numbers
+    assert (
+        one["warm_start_steps"],
+        one["steps_per_path"],
+        two["warm_start_steps"],
+        two["steps_per_path"],
+    ) == (
+        3,
+        4,
+        6,
+        8,
+    )
+    assert one["steps"] == {
+        "dipaco 2x2": 3 + 16,
+        "dense": 3 + 4,
+        "dense same tokens": 3 + 16,
+        "dense all params": 19,
+    }
+    assert two["steps"] == {arm: 2 * n for arm, n in one["steps"].items()}
+    assert two["tokens"] == {arm: 2 * n for arm, n in one["tokens"].items()}
+    for b in (one, two):
+        for key in ("composite_ppl", "dense_ppl", "dense_same_tokens_ppl", "dense_all_params_ppl"):
+            s = b[key]
+            assert len(s["per_seed"]) == 2 and s["min"] <= s["mean"] <= s["max"]
+            assert s["std"] == pytest.approx(statistics.stdev(s["per_seed"]))
+        assert b["ratio_same_tokens"]["per_seed"] == [
+            c / d
+            for c, d in zip(
+                b["composite_ppl"]["per_seed"], b["dense_same_tokens_ppl"]["per_seed"], strict=True
+            )
+        ]
+        assert b["tokens_per_param_same_tokens"] == b["tokens"]["dense same tokens"] / r["path_params"]
+        assert (
+            b["tokens_per_param_path"]
+            == (b["warm_start_steps"] + b["steps_per_path"]) * 2 * 16 / r["path_params"]
+        )
+        assert set(b["epochs"]) == set(ARMS) and b["data_repeats"] is False
+        assert b["epochs"]["dense same tokens"] == b["tokens"]["dense same tokens"] / r["corpus_tokens"]
+    # the two seeds are two different runs (initialisation and data order), not one run twice
+    assert one["composite_ppl"]["per_seed"][0] != one["composite_ppl"]["per_seed"][1]
+    assert set(r["crossover"]) == {"ratio_same_tokens", "ratio_all_params"}
+    assert r["device"] == "cpu" and r["dtype"] == "fp32"
+    # the one run the older keys describe: budget 1, first seed
+    assert r["composite_ppl"] == one["composite_ppl"]["per_seed"][0] and r["steps_per_path"] == 4
+    assert (tmp_path / "dipaco_budgets.png").stat().st_size > 10_000
+    assert set(json.loads((tmp_path / "dipaco_runs.json").read_text())) == {"1", "2"}
+    assert "| ×2 |" in (tmp_path / "dipaco.md").read_text()
+
+
+def test_a_crossover_between_budgets_is_measured_and_one_beyond_them_is_an_extrapolation():
+    met = crossover([1.0, 10.0], [1.2, 0.8])
+    assert met["reached"] and met["tokens_per_param"] == pytest.approx(math.sqrt(10))
+    ahead = crossover([1.0, 10.0, 100.0], [1.4, 1.2, 1.0 + 1e-9])
+    assert not ahead["reached"] and ahead["method"].startswith("extrapolation")
+    assert ahead["tokens_per_param"] == pytest.approx(100.0, rel=1e-6)
+    away = crossover([1.0, 10.0], [1.1, 1.3])
+    assert away["tokens_per_param"] == pytest.approx(10**-0.5) and "below the smallest" in away["method"]
+
+
+@pytest.mark.parametrize("text", ["1,0", "1,x", "2,2", "-1"])
+def test_a_bad_budget_list_is_refused_naming_the_flag(text):
+    with pytest.raises(SystemExit, match="--budgets"):
+        parse_budgets(text)
