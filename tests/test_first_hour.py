@@ -254,3 +254,60 @@ def test_a_wrong_pinned_hash_is_a_sentence_naming_the_pinned_and_the_found_hash(
     with pytest.raises(ConfigError) as err:
         load_verified_manifest(tmp_path / "m.json", "myrun", "deadbeefdeadbeef")
     assert f"hash {record.run_id[:16]}…, but --run pins hash deadbeefdeadbeef" in str(err.value), err.value
+
+
+def test_a_demo_into_an_out_folder_of_an_earlier_demo_is_refused_before_anything_starts(tmp_path):
+    from peer.cli.demo import run_demo
+
+    before = _saved(tmp_path / "peer0", "demo")
+    with pytest.raises(ConfigError, match=f"--out {tmp_path} holds an earlier demo's checkpoints"):
+        run_demo(2, 1, 5, 4, tmp_path, 60.0)
+    assert [info.path for info in list_checkpoints(tmp_path / "peer0")] == before
+
+
+# --- 2 and 4 with real peers: the commands a newcomer runs ---------------------------------------
+
+
+def _peer(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer", "peer", *args], capture_output=True, text=True,
+                          timeout=150, cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(400)
+def test_peers_refuse_a_data_copy_unlike_the_runs_and_a_used_checkpoint_dir_until_resume(
+    tmp_path, monkeypatch
+):
+    manifest = _text_run(tmp_path, monkeypatch)
+    save_record(sign_manifest(manifest, RSAPrivateKey()), tmp_path / "r.json")
+    copy = tmp_path / "volunteer" / "corpus"
+    copy.mkdir(parents=True)
+    for part in ("part-00000.txt", "part-00001.txt"):
+        (copy / part).write_bytes((tmp_path / "corpus" / part).read_bytes())
+    (copy / "part-00000.txt").write_text("".join((copy / "part-00000.txt").read_text().splitlines(True)[:7]))
+    ckpt = tmp_path / "ckpt"
+    common = ["--run", "r", "--new_swarm", "--manifest_path", str(tmp_path / "r.json"),
+              "--checkpoint_dir", str(ckpt), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+              "--torch_threads", "1", "--batch_size", "2"]  # fmt: skip
+
+    def refused(proc: subprocess.CompletedProcess) -> str:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("pathswarm ")]
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[
+            -3000:
+        ]
+        return lines[0]
+
+    cut = refused(_peer(*common, "--data_root", str(tmp_path / "volunteer"), "--max_steps", "2"))
+    assert f"{copy / 'part-00000.txt'} is not the run's corpus/part-00000.txt: it has 7 lines" in cut, cut
+    assert not list_checkpoints(ckpt)
+    trained = _peer(*common, "--data_root", str(tmp_path), "--max_steps", "2")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    before = [info.path for info in list_checkpoints(ckpt)]
+    assert before, trained.stderr[-3000:]
+    again = refused(_peer(*common, "--data_root", str(tmp_path), "--max_steps", "4"))
+    assert f"--checkpoint_dir {ckpt} already holds checkpoints of run r up to step 2" in again, again
+    assert "pass --resume" in again and [info.path for info in list_checkpoints(ckpt)] == before
+    resumed = _peer(*common, "--data_root", str(tmp_path), "--max_steps", "4", "--resume")
+    assert resumed.returncode == 0 and "resumed from checkpoint at step 2" in resumed.stderr, resumed.stderr[
+        -3000:
+    ]

@@ -4,7 +4,8 @@ A checkpoint holds the sync layer's state (global copies, outer momentum), the p
 weights (`local/<name>`) and a meta dict: the counters, the path and the paths trained before a
 rotation, every fragment's round, the round history, and the router version trained with. The store
 (peer/checkpoint/) writes it crash-safe and prunes to --keep_checkpoints; the directory lock keeps a
-second peer out of the directory for the whole life of this one.
+second peer out of the directory for the whole life of this one, and a directory that holds
+checkpoints is taken only with --resume (a fresh start there would prune them).
 """
 
 from __future__ import annotations
