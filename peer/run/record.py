@@ -80,7 +80,7 @@ def load_record(path: Path) -> ManifestRecord:
         cut = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
         what = "is truncated (it ends mid-JSON)" if cut and text.strip() else "is not JSON"
         raise ConfigError(
-            f"manifest file {path} {what}: {e.msg} (line {e.lineno} column {e.colno}); "
+            f"manifest file {path} {what}: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}; "
             "use the file `pathswarm run create --out` wrote"
         ) from e
     if not isinstance(data, dict):
