@@ -121,7 +121,7 @@ def test_a_peer_whose_copy_of_a_data_file_is_cut_short_is_refused_naming_the_fil
     # a missing file is named too; the run's own copy passes
     (copy / "corpus/part-00001.txt").unlink()
     with pytest.raises(
-        ConfigError, match="match 1 files under --data_root .*had 2 \\(missing corpus/part-00001"
+        ConfigError, match="match 1 file under --data_root .*had 2 \\(missing corpus/part-00001"
     ):
         check_data(manifest, _volunteer(copy))
     assert check_data(manifest, _volunteer(tmp_path)) == tmp_path

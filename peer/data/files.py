@@ -107,8 +107,8 @@ def check_fingerprints(recorded: Sequence[FileFingerprint], files: Sequence[str]
         extra = list(files[len(recorded) :])
         detail = f"missing {missing[0]}" if missing else f"extra {extra[0]}"
         raise ConfigError(
-            f"the run's data_files match {len(files)} files {where}, the run's creator had "
-            f"{len(recorded)} ({detail}): give the folder holding exactly the run's files"
+            f"the run's data_files match {len(files)} file{'s' * (len(files) != 1)} {where}, the run's "
+            f"creator had {len(recorded)} ({detail}): give the folder holding exactly the run's files"
         )
     for file, want in zip(files, recorded, strict=True):
         have = fingerprint(Path(file), want.name)

@@ -41,7 +41,9 @@ def check_data(manifest: RunManifest, cfg: PeerConfig) -> Path | None:
                 "give --data_root DIR of yours that holds them"
             )
         files = local_files(spec, cfg.data_root)
-        where = f"under --data_root {cfg.data_root}" if cfg.data_root is not None else "here"
+        where = (
+            f"under --data_root {cfg.data_root}" if cfg.data_root else f"from the current folder {Path.cwd()}"
+        )
         # a copy that is another version or a part of the run's files would train without a word
         check_fingerprints(spec.fingerprints, files, where)
     return cfg.data_root
