@@ -61,6 +61,10 @@ def make_manifest(
 
 def write_run(manifest: RunManifest, folder: Path) -> str:
     """Signs the manifest into folder/manifest.json; returns the `--run NAME@PIN` to join it."""
+    # a new run: its peers refuse an earlier run's checkpoints without --resume (and must not resume them)
+    earlier = sorted(ckpt.parent for ckpt in folder.glob("*/ckpt-*"))
+    if earlier:
+        raise SystemExit(f"{folder} holds an earlier run's checkpoints ({earlier[0]}): give another --out")
     record = sign_manifest(manifest, RSAPrivateKey())
     folder.mkdir(parents=True, exist_ok=True)
     save_record(record, folder / "manifest.json")

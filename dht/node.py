@@ -81,13 +81,20 @@ if not getattr(hivemind.DHT.run, "pathswarm_whole_requests", False):
     hivemind.DHT.run = _whole_requests(hivemind.DHT.run)
 
 
-def check_maddrs(maddrs: Sequence[str], flag: str) -> list[str]:
+def check_maddrs(maddrs: Sequence[str], flag: str, peer_ids: bool = False) -> list[str]:
+    """The addresses, each parsed; with `peer_ids` (addresses of peers to dial), each must end in the
+    peer's /p2p/<peer id>: p2pd refuses one without it, with only "invalid p2p multiaddr"."""
     out = []
     for m in maddrs:
         try:
-            Multiaddr(m)
+            parsed = Multiaddr(m)
         except Exception as e:
             raise SwarmError(f"{flag}: {m!r} is not a multiaddress ({e})") from e
+        if peer_ids and "p2p" not in {p.name for p in parsed.protocols()}:
+            raise SwarmError(
+                f"{flag}: {m} lacks its /p2p/<peer id> part: give the whole address the peer printed "
+                f"(e.g. {m.rstrip('/')}/p2p/12D3KooW…)"
+            )
         out.append(m)
     return out
 
@@ -118,8 +125,9 @@ def start_dht(
     may never confirm. `remember_validations=False` checks every record in full each time it
     arrives, as hivemind does (benchmarks/dht_scale.py measures both).
     """
+    # before anything is made (an identity file, the daemon): a wrong address is the user's to fix
+    initial_peers = check_maddrs(initial_peers, "--initial_peers", peer_ids=True)
     key, identity_file = load_identity(identity_path)
-    initial_peers = check_maddrs(initial_peers, "--initial_peers")
     validators: list = [RSASignatureValidator(key)]
     if run_name is not None:
         validators.append(RecordSchemaValidator(run_name, run_id, max_record_ttl_seconds))

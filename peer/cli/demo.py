@@ -92,6 +92,13 @@ def run_demo(
         raise ConfigError("--peers and --rounds must be >= 1")
     started = time.monotonic()
     workdir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pathswarm-demo-"))
+    # each demo is a new run: its peers would refuse an earlier demo's checkpoints (no --resume)
+    earlier = sorted(ckpt.parent for ckpt in workdir.glob("peer*/ckpt-*"))
+    if earlier:
+        raise ConfigError(
+            f"--out {workdir} holds an earlier demo's checkpoints ({earlier[0]}): give another --out "
+            "(nothing was deleted)"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = demo_manifest(rounds, inner_steps)
     record = sign_manifest(manifest, RSAPrivateKey())

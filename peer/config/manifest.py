@@ -21,8 +21,8 @@ from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently;
 #: 4: base_checkpoint; 5: dataset.shards, tokenizer_file, router_file; 6: inner_steps (H) moves
-#: into sync, beside fragments (P) and overlap_steps (τ); and admission
-MANIFEST_FORMAT_VERSION = 6
+#: into sync, beside fragments (P) and overlap_steps (τ); and admission; 7: dataset.fingerprints
+MANIFEST_FORMAT_VERSION = 7
 #: a router file larger than this is refused before it is fetched or read
 MAX_ROUTER_FILE_BYTES = 64 << 20
 

@@ -28,7 +28,9 @@ class PeerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     initial_peers: list[str] = Field(
-        default_factory=list, description="multiaddrs of peers already in the swarm"
+        default_factory=list,
+        description="multiaddrs of peers already in the swarm, each with its /p2p/<peer id> (as a bootstrap "
+        "node prints them)",
     )
     host_maddrs: list[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], description="multiaddrs to listen on"
@@ -111,11 +113,17 @@ class PeerConfig(BaseModel):
         "127.0.0.1", description="the address /metrics listens on (containers pass 0.0.0.0)"
     )
     checkpoint_dir: Path | None = Field(
-        None, description="write checkpoints here (and --resume from them); unset: no checkpoints"
+        None,
+        description="write checkpoints here; a folder that already holds checkpoints needs --resume (they "
+        "are never pruned for a fresh start); unset: no checkpoints",
     )
     checkpoint_every_rounds: int = Field(1, ge=1, description="checkpoint every N outer rounds")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept on disk")
-    resume: bool = Field(False, description="continue from the latest checkpoint in --checkpoint_dir")
+    resume: bool = Field(
+        False,
+        description="continue from the latest checkpoint in --checkpoint_dir (needed to start again on a "
+        "folder that holds checkpoints)",
+    )
     max_rounds: int | None = Field(
         None,
         ge=1,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import require_artifact
 from peer.data.corpus import generate_documents
+from peer.data.files import FileFingerprint, check_formats
 from peer.errors import ConfigError
 
 #: a manifest names at most this many shards (each reference is about 300 bytes of the manifest)
@@ -31,10 +32,15 @@ class DatasetSpec(BaseModel):
 
     kind: Literal["builtin", "text", "json", "parquet", "hub"] = Field(
         "builtin",
-        description="where the documents come from: the built-in corpus, local files, or a hub dataset",
+        description="where the documents come from: builtin (the built-in corpus), local --data_files "
+        "of text (one document per line), json (JSON lines, the document in --text_field) or parquet, "
+        "or hub (--dataset_name)",
         json_schema_extra={"flag": "dataset"},
     )
     data_files: list[str] = Field([], description="local files or globs (text/json/parquet)")
+    #: each of data_files' files as `run create` found it (peer/data/files.py): a peer refuses a copy
+    #: of its own that differs
+    fingerprints: list[FileFingerprint] = Field(default_factory=list, max_length=MAX_SHARDS)
     #: the run's local files by content hash, in order: served over P2P like its base model, so a
     #: volunteer needs no copy of its own (`run create --share_data`); replaces data_files
     shards: list[ArtifactRef] = Field(default_factory=list, max_length=MAX_SHARDS)
@@ -58,6 +64,8 @@ class DatasetSpec(BaseModel):
             raise ValueError(
                 f"data_files and shards are only used with kind text/json/parquet, not {self.kind!r}"
             )
+        if self.fingerprints and not self.data_files:
+            raise ValueError("fingerprints are of data_files' files: a dataset without data_files has none")
         if self.data_files and self.shards:
             raise ValueError(
                 "a dataset names its files either by path (data_files) or by hash (shards), not both"
@@ -130,6 +138,7 @@ def load_documents(
     files = local_files(spec, root, shard_folders)
     if not files:
         raise ConfigError(f"data_files {spec.data_files} match only folders, no files")
+    check_formats(spec.kind, files)  # a reader given another format trains on garbage, silently
     ds = datasets.load_dataset(spec.kind, data_files=files, split="train", cache_dir=cache_dir)
     field = "text" if spec.kind == "text" else spec.text_field
     if field not in ds.column_names:

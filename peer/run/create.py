@@ -26,6 +26,7 @@ from peer.artifacts.store import ArtifactStore
 from peer.codecs.specs import codec_spec
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig, one_line
 from peer.data.batches import encode_document
+from peer.data.files import fingerprints
 from peer.data.sources import DatasetSpec, load_documents, local_files, split_of
 from peer.errors import ConfigError
 from peer.model.base import ModuleStates
@@ -67,7 +68,7 @@ def share_dataset(dataset: DatasetSpec, store: ArtifactStore) -> DatasetSpec:
     total = sum(r.size_bytes for r in refs)
     logger.info(f"the run's data: {len(refs)} shards, {total / 2**20:.1f} MiB, named by hash in {store.root}")
     try:
-        return DatasetSpec(**{**dataset.model_dump(), "data_files": [], "shards": refs})
+        return DatasetSpec(**{**dataset.model_dump(), "data_files": [], "fingerprints": [], "shards": refs})
     except ValidationError as e:
         raise ConfigError(f"--share_data: {one_line(e)}") from None
 
@@ -174,6 +175,14 @@ def build_manifest(
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {model.vocab_size}")
     sample = list(islice(load_documents(dataset), router_docs * 2))
+    if dataset.data_files and not dataset.fingerprints:
+        # what every peer's copy of the files must be (peer/training/startup_checks.py)
+        try:
+            dataset = DatasetSpec(
+                **{**dataset.model_dump(), "fingerprints": fingerprints(local_files(dataset))}
+            )
+        except ValidationError as e:
+            raise ConfigError(f"the run's data files: {one_line(e)}") from None
     docs = [d for d in sample if split_of(d, dataset) == "train"][:router_docs]
     # the first held-out documents, those eval scores first: the router's biases balance them too
     held = [d for d in sample if split_of(d, dataset) == "eval"]

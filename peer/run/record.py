@@ -67,10 +67,28 @@ def save_record(record: ManifestRecord, path: Path) -> None:
 
 
 def load_record(path: Path) -> ManifestRecord:
+    """The signed record in a manifest file; a file that is not one is refused in one line naming the
+    file and what is wrong with it (not JSON, truncated, which field)."""
     try:
-        return ManifestRecord.model_validate_json(Path(path).read_text())
-    except (OSError, ValidationError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read manifest file {path}: {str(e).splitlines()[0]}") from e
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read manifest file {path}: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        # the text ended where the parser wanted more (a string runs to the end, or a value is due)
+        cut = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        what = "is truncated (it ends mid-JSON)" if cut and text.strip() else "is not JSON"
+        raise ConfigError(
+            f"manifest file {path} {what}: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}; "
+            "use the file `pathswarm run create --out` wrote"
+        ) from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"manifest file {path} holds a JSON {type(data).__name__}, not a signed manifest")
+    try:
+        return ManifestRecord.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"manifest file {path} is not a signed manifest: {one_line(e)}") from e
 
 
 def load_verified_manifest(
@@ -86,5 +104,8 @@ def load_verified_manifest(
     if run_name is not None and manifest.name != run_name:
         raise ConfigError(f"manifest file {path} is for run {manifest.name!r}, not {run_name!r}")
     if pin and not record.run_id.startswith(pin):
-        raise ConfigError(f"manifest file {path} has hash {record.run_id[:12]}, not {pin}")
+        raise ConfigError(
+            f"manifest file {path} holds run {manifest.name} with hash {record.run_id[:16]}…, but --run "
+            f"pins hash {pin}: a different hash is a different run (check the hash you were given)"
+        )
     return manifest, record

@@ -91,12 +91,12 @@ def _not_found(
 ) -> str:
     why = f" (refused records: {'; '.join(sorted(set(rejected)))})" if rejected else ""
     if unpinned:
-        found = ", ".join(f"{rid[:16]} (creator {c[:16]})" for rid, c in sorted(unpinned.items()))
-        wanted = f"hash {pin}" if pin else ""
-        wanted += (" and " if wanted else "") + (f"creator {creator}" if creator else "")
+        found = ", ".join(f"hash {rid[:16]}… (creator {c[:16]}…)" for rid, c in sorted(unpinned.items()))
+        wanted = [f"hash {pin} (--run {run_name}@{pin})"] if pin else []
+        wanted += [f"creator {creator} (--creator)"] if creator else []
         return (
-            f"no verified manifest for run {run_name!r} with {wanted}: the swarm has {run_name!r} only "
-            f"as {found}; check the hash or creator you were given (a different hash is a different run)"
+            f"the swarm has no run {run_name!r} with {' and '.join(wanted)}: it has {run_name!r} only with "
+            f"{found}; check the hash or creator you were given (a different hash is a different run)"
         )
     pinned = f" with hash {pin}..." if pin else ""
     return (

@@ -4,7 +4,8 @@ A checkpoint holds the sync layer's state (global copies, outer momentum), the p
 weights (`local/<name>`) and a meta dict: the counters, the path and the paths trained before a
 rotation, every fragment's round, the round history, and the router version trained with. The store
 (peer/checkpoint/) writes it crash-safe and prunes to --keep_checkpoints; the directory lock keeps a
-second peer out of the directory for the whole life of this one.
+second peer out of the directory for the whole life of this one, and a directory that holds
+checkpoints is taken only with --resume (a fresh start there would prune them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from peer.checkpoint import CheckpointDirLock, load_latest_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointDirLock, list_checkpoints, load_latest_checkpoint, save_checkpoint
 from peer.config import PeerConfig
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
@@ -52,9 +53,34 @@ class PeerCheckpoints:
         self._sent: SentRounds | None = None
 
     def lock(self) -> None:
-        """Takes the directory (before anything joins: a second peer here stops at once)."""
+        """Takes the directory (before anything joins: a second peer here stops at once), and refuses
+        one that holds checkpoints when the peer does not --resume from them: a fresh start there
+        would prune them as it saves its own."""
         if self.config.checkpoint_dir is not None:
             self._lock = CheckpointDirLock(self.config.checkpoint_dir).acquire()
+            if not self.config.resume:
+                try:
+                    self._refuse_earlier_checkpoints()
+                except ConfigError:
+                    self.release()
+                    raise
+
+    def _refuse_earlier_checkpoints(self) -> None:
+        saved = [info for info in list_checkpoints(self.config.checkpoint_dir) if info.complete]
+        if not saved:
+            return
+        meta = saved[-1].manifest.get("meta") or {}
+        run, where = meta.get("run"), f"--checkpoint_dir {self.config.checkpoint_dir}"
+        held = f"checkpoints of run {run} up to step {saved[-1].step}" if run else "checkpoints"
+        if run == self.config.run_name:
+            raise ConfigError(
+                f"{where} already holds {held}: pass --resume to continue from them, or give another "
+                "--checkpoint_dir to start afresh (nothing was deleted)"
+            )
+        raise ConfigError(
+            f"{where} already holds {held}, not of run {self.config.run_name}: give another "
+            "--checkpoint_dir (nothing was deleted)"
+        )
 
     def release(self) -> None:
         if self._lock is not None:
