@@ -27,6 +27,7 @@ from torch import nn
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.sync.fragments import FragmentPlan
+from peer.sync.settling import SETTLING_ROUNDS
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class ModuleSync:
         #: rounds left in which this copy, just downloaded to join (or rejoin) its holders, may still
         #: disagree with the group's: a joiner's first round races the holders' views of the group
         self.settling = 0
+        #: rounds with company left in which this copy, started here rather than downloaded, may
+        #: differ from its group's as a matter of course: in a new swarm every holder takes its first
+        #: rounds alone until it sees the others (only how loudly that is logged depends on it)
+        self.forming = SETTLING_ROUNDS
         self._digests: list[str | None] = [None] * n_fragments
         #: a state served to another peer (on the sync service's thread) is one round's tensors with
         #: that round's count: a round's install or a download changes both under this lock
