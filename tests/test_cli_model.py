@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -82,8 +83,35 @@ def test_eval_prints_a_table_and_writes_json(trained_run, tmp_path, capsys):
     grid, expected = assemble_grid(manifest, dirs), sim.grid()
     for a, b in zip(grid.parameters(), expected.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert _run(argv + ["--baseline_steps", "0"]) == 0
+    assert _run(argv + ["--baseline_steps", "0", "--swarm_baseline_steps", "0"]) == 0
     assert "composite / dense" not in capsys.readouterr().out
+
+
+def test_eval_says_its_units_and_compares_with_dense_at_one_paths_and_at_the_swarms_steps(
+    trained_run, tmp_path, capsys
+):
+    """Perplexity per byte (the byte tokenizer) and bits per byte, against a dense path-size model at
+    one path's steps (10) and at the swarm's, all 4 paths' steps together (40): as many tokens as the
+    swarm trained on."""
+    _, record_file, dirs, _ = trained_run
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--manifest_path", str(record_file), "--checkpoints", *dirs, "--max_docs", "8"]
+    assert _run([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "dipaco ppl/byte" in printed and "dense ppl/byte (10 steps)" in printed, printed
+    assert "dense ppl/byte (40 steps)" in printed, printed
+    assert "perplexity is per byte" in printed and "bits per byte" in printed, printed
+    assert "dense baseline: 10 steps, one path's steps" in printed, printed
+    assert "dense baseline: 40 steps, the swarm's steps" in printed, printed
+    report = json.loads(out.read_text())
+    assert report["unit"] == "byte" and (report["baseline_steps"], report["swarm_baseline_steps"]) == (10, 40)
+    composite, one, swarm = report["composite"], report["dense"], report["dense_swarm_steps"]
+    assert 0 < composite["bits_per_byte"] < 8 and composite["text_bytes"] < composite["tokens"]
+    # bits per byte is the same NLL over the text's bytes (every document's end-of-text has none)
+    nll = math.log(composite["ppl"]) * composite["tokens"]
+    assert composite["bits_per_byte"] == pytest.approx(nll / math.log(2) / composite["text_bytes"])
+    assert swarm["ppl"] < one["ppl"]  # 4x the steps, on the same schedule
+    assert report["ratio_swarm_steps"] == pytest.approx(composite["ppl"] / swarm["ppl"])
 
 
 def test_export_then_generate_from_the_export_and_from_checkpoints(trained_run, tmp_path, capsys):
@@ -142,7 +170,7 @@ def test_eval_reports_steps_and_share_per_path(trained_run, tmp_path):
     _, record_file, dirs, _ = trained_run
     out = tmp_path / "eval.json"
     argv = ["eval", "--manifest_path", str(record_file), "--checkpoints", *dirs, "--baseline_steps", "0"]
-    assert _run(argv + ["--json", str(out)]) == 0
+    assert _run(argv + ["--swarm_baseline_steps", "0", "--json", str(out)]) == 0
     per_path = json.loads(out.read_text())["composite"]["per_path"]
     assert sorted(per_path) == ["0", "1", "2", "3"]  # every path, also one no document went to
     assert all(entry["steps"] == 10 for entry in per_path.values())
@@ -160,6 +188,8 @@ def test_a_path_no_peer_trained_is_refused_unless_allowed(trained_run, tmp_path,
         "--checkpoints",
         *three,
         "--baseline_steps",
+        "0",
+        "--swarm_baseline_steps",
         "0",
     ]
     with pytest.raises(ValueError, match=r"no checkpoint's peer trained: 3 \(1,1: \d+%\)"):
