@@ -27,7 +27,6 @@ from torch import nn
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.sync.fragments import FragmentPlan
-from peer.sync.settling import SETTLING_ROUNDS
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +48,11 @@ def module_digest(fragment_digests: list[str]) -> str:
     """One digest of a module's whole state, from its fragments' digests in order."""
     return hashlib.sha256("".join(fragment_digests).encode()).hexdigest()
 
+
+#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
+#: the holders see the joiner's claim at different moments, so its first round's group can differ
+#: between members (one averages with it, another without), and the next round's digests repair it
+SETTLING_ROUNDS = 3
 
 @dataclass(frozen=True)
 class PreparedStep:

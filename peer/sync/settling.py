@@ -15,18 +15,11 @@ from __future__ import annotations
 
 import logging
 
-from typing import TYPE_CHECKING
-
 from peer.sync.agreement import LEFT
+from peer.sync.module_sync import SETTLING_ROUNDS, ModuleSync
+from peer.sync.rounds import RoundResult
 
-if TYPE_CHECKING:  # module_sync sets its first rounds' grace from here
-    from peer.sync.module_sync import ModuleSync
-    from peer.sync.rounds import RoundResult
-
-#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
-#: the holders see the joiner's claim at different moments, so its first round's group can differ
-#: between members (one averages with it, another without), and the next round's digests repair it
-SETTLING_ROUNDS = 3
+__all__ = ["SETTLING_ROUNDS", "first_rounds", "merge_note", "settle", "went_on_without_us"]
 
 
 def first_rounds(ms: ModuleSync) -> bool:
