@@ -12,13 +12,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.checkpoint import save_checkpoint
 from peer.cli.model_commands import register
-from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig
 from peer.data.sources import DatasetSpec, load_documents, split_of
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
 from peer.model.tokenizer import ByteTokenizer
+from peer.model.transformer import GridModel
 from peer.offline.experiment import shard
 from peer.offline.grid_checkpoints import assemble_grid
-from peer.offline.inference import load_exported
+from peer.offline.inference import export_path, load_exported
 from peer.offline.simulate import DipacoSim, SimConfig
 from peer.run.create import build_manifest
 from peer.run.rebuild import make_route
@@ -201,3 +202,37 @@ def test_a_path_no_peer_trained_is_refused_unless_allowed(trained_run, tmp_path,
     with pytest.raises(ValueError, match="--allow_untrained"):
         _run([*export, "--out", str(tmp_path / "x")])
     assert _run([*export, "--out", str(tmp_path / "x"), "--allow_untrained"]) == 0
+
+
+def _export_predicting(tmp_path, token: int):
+    """An exported path whose every next token is `token` (its embedding row dominates the tied head)."""
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
+    grid = GridModel(cfg, seed=0)
+    trunk = grid.path_model((0, 0)).parts["trunk"]
+    with torch.no_grad():
+        trunk.ln_f.weight.zero_()
+        trunk.tok_emb.weight[token] *= 100
+        trunk.ln_f.bias.copy_(trunk.tok_emb.weight[token])
+    manifest = RunManifest(name="gen-why", model=cfg, seq_len=32)
+    return export_path(grid, (0, 0), tmp_path / f"predicts-{token}", manifest)
+
+
+def test_generate_says_why_it_printed_nothing_after_the_prompt(tmp_path, capsys):
+    """A prompt printed alone is explained: the model ended the text at once (and --min_new_tokens
+    goes past it), or what it generated is only whitespace (an undertrained model's spaces)."""
+    tok = ByteTokenizer()
+    ends = _export_predicting(tmp_path, tok.eos_id)
+    assert _run(["generate", "--exported", str(ends), "--prompt", "hello"]) == 0
+    said = capsys.readouterr()
+    assert said.out.splitlines()[-1] == "hello"
+    assert "nothing generated" in said.err and "end-of-text" in said.err and "--min_new_tokens" in said.err
+    assert _run(["generate", "--exported", str(ends), "--prompt", "hello", "--min_new_tokens", "5"]) == 0
+    said = capsys.readouterr()
+    assert "stopped at the model's end-of-text token" in said.err and said.err.startswith("[5 new tokens")
+
+    spaces = _export_predicting(tmp_path, ord(" "))
+    assert _run(["generate", "--exported", str(spaces), "--prompt", "hello", "--max_new_tokens", "40"]) == 0
+    said = capsys.readouterr()
+    assert said.out.splitlines()[-1] == "hello" + " " * 40
+    assert "40 new tokens, stopped at --max_new_tokens" in said.err and "only whitespace" in said.err
+    assert "context of 32 tokens the window slid on" in said.err  # 1 + 5 + 40 tokens > 32

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -46,11 +47,14 @@ def register(subparsers) -> dict[str, Handler]:
     g = subparsers.add_parser("generate", help="sample a continuation from the path the prompt routes to")
     _source_flags(g, required=False)
     g.add_argument("--exported", type=Path, default=None, help="a folder written by `pathswarm export`")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max_new_tokens", type=int, default=128)
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument(
+        "--min_new_tokens", type=int, default=0, help="never stop at the end-of-text token before this many"
+    )
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top_k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the sampling's seed")
 
     x = subparsers.add_parser("export", help="write one path as a standalone model")
     _source_flags(x)
@@ -275,7 +279,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from peer.swarm.base_model import base_on_disk
 
     sampling = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     if args.exported is not None:
         if args.manifest_path is not None or args.checkpoints:
@@ -306,6 +314,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     print(f"[path {out.path_index} {','.join(map(str, out.path))}]")
     print(args.prompt + out.text)
+    # on stderr, so that stdout stays the text: a prompt printed alone is never left unexplained
+    print(f"[{out.why()}]", file=sys.stderr)
     return 0
 
 
