@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
+from monitoring.metrics import PeerMetrics
+from monitoring.swarm.service import MonitorOptions
 from peer.cli.flags import given
 from peer.cli.main import build_parser, main, subcommand_names
 from peer.cli.swarm_commands import peer_config
-from monitoring.metrics import PeerMetrics
-from monitoring.swarm.service import MonitorOptions
 from peer.config import (
     MANIFEST_FORMAT_VERSION,
     PeerConfig,

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import torch
 
-from peer.sync.agreement import LEFT
-from peer.sync.outer import FragmentDone
-from peer.sync.rounds import RoundResult
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel
+from peer.sync.agreement import LEFT
 from peer.sync.module_sync import ModuleSync
+from peer.sync.outer import FragmentDone
+from peer.sync.rounds import RoundResult
 from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
 from peer.training.history import RoundHistory
 
@@ -62,7 +62,9 @@ def test_settling_ends_after_a_few_rounds_even_without_a_clean_average():
     levels = [settle(ms, _result("alone")) for _ in range(SETTLING_ROUNDS)]
     assert levels == [logging.INFO] * SETTLING_ROUNDS
     assert settle(ms, _result(dropped={"a": "missing"})) == logging.WARNING
-    assert settle(SimpleNamespace(settling=0, forming=0), _result(dropped={"a": "missing"})) == logging.WARNING
+    assert (
+        settle(SimpleNamespace(settling=0, forming=0), _result(dropped={"a": "missing"})) == logging.WARNING
+    )
 
 
 def test_a_joiner_whose_holders_decided_its_first_round_without_it_takes_their_copy_not_its_own():
@@ -74,14 +76,18 @@ def test_a_joiner_whose_holders_decided_its_first_round_without_it_takes_their_c
     assert went_on_without_us(joiner, passed_by) == ["a", "b"]
     assert went_on_without_us(joiner, _result("alone", dropped={"a": LEFT})) == []
     assert went_on_without_us(joiner, _result("averaged", dropped={"a": "missing"})) == []
-    settled = SimpleNamespace(settling=0, forming=0)  # a member in step whose group stalled goes on with its own
+    settled = SimpleNamespace(
+        settling=0, forming=0
+    )  # a member in step whose group stalled goes on with its own
     assert went_on_without_us(settled, _result("alone", dropped={"a": "missing"})) == []
 
 
 def _fresh_module() -> ModuleSync:
     """A module as a peer of a new swarm starts it: its initial weights, nothing downloaded."""
     cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
-    return ModuleSync(cfg, "l0m1", GridModel(cfg, seed=0).path_model((1, 0)).parts["l0m1"], OuterOptimizerConfig(), 1)
+    return ModuleSync(
+        cfg, "l0m1", GridModel(cfg, seed=0).path_model((1, 0)).parts["l0m1"], OuterOptimizerConfig(), 1
+    )
 
 
 def test_a_new_swarms_holders_meeting_merge_at_info_in_plain_words_and_a_later_split_warns():

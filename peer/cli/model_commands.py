@@ -210,7 +210,9 @@ def _unit(tok) -> str:
     return "byte" if isinstance(tok, ByteTokenizer) else "token"
 
 
-def _dense_baselines(manifest, base, tok, batch_size, steps: dict[str, int], shard_folders, docs, route, routed):
+def _dense_baselines(
+    manifest, base, tok, batch_size, steps: dict[str, int], shard_folders, docs, route, routed
+):
     """label -> (steps, result): one dense path-size model trained on the run's training documents to
     the most steps asked, scored on the way at each count (0: not trained). The peers' cosine runs over
     manifest.inner.total_steps; the baseline follows the same one. A warm-started run's paths all
@@ -238,7 +240,9 @@ def _dense_baselines(manifest, base, tok, batch_size, steps: dict[str, int], sha
     return {label: out[label] for label in wanted}
 
 
-def _print_table(manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float], unit: str):
+def _print_table(
+    manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float], unit: str
+):
     """Per path: trained steps, share of the held-out documents, composite and dense perplexity (per
     byte with the byte tokenizer, else per token), the dense model's at each baseline's steps."""
     from peer.model.grid import path_from_index

@@ -54,6 +54,7 @@ def module_digest(fragment_digests: list[str]) -> str:
 #: between members (one averages with it, another without), and the next round's digests repair it
 SETTLING_ROUNDS = 3
 
+
 @dataclass(frozen=True)
 class PreparedStep:
     """A fragment's outer step computed ahead of its installation (`ModuleSync.prepare_step`)."""
