@@ -249,8 +249,9 @@ class PeerMetrics:
         """The current metrics in the Prometheus text exposition format."""
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread; port 0 picks a free port. Returns it."""
+    def serve(self, port: int, host: str) -> int:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; port 0 picks a free port. Returns it.
+        No default host: the caller's setting (--metrics_host, loopback unless given) is the one."""
         with self._lock:
             if self._server is not None:
                 raise RuntimeError(f"metrics already served on port {self._server.server_address[1]}")

@@ -1,5 +1,7 @@
 """Atomic checkpoints: round trip, crash mid-write, corruption, pruning and a full disk."""
 
+import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -16,6 +18,8 @@ import torch
 from peer import faults
 from peer.checkpoint import CheckpointError, list_checkpoints, load_latest_checkpoint, save_checkpoint
 from peer.checkpoint import store as checkpoint
+from peer.checkpoint.lock import CheckpointDirLock
+from peer.errors import ConfigError
 from peer.faults import ENV_VAR, InjectedFault
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,3 +280,62 @@ def test_a_sparse_peers_unsent_error_feedback_is_in_its_checkpoint_and_back_afte
     tensors["l0m0/error/f1"] = tensors["l0m0/error/f1"][:5]
     with pytest.raises(StateRejected, match="error feedback"):
         module_sync(2).load_named_state(tensors, [4, 3])
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+#: root writes anywhere through these two capabilities (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)
+_DAC_CAPS = (1 << 1) | (1 << 2)
+
+
+@contextlib.contextmanager
+def _as_a_user_the_folder_is_not_for():
+    """This thread without root's bypass of file permissions (capabilities are per thread on Linux):
+    a folder of another uid with mode 0755 is then unwritable to it, as to any other user."""
+    if os.geteuid() != 0:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        pytest.skip(f"capget failed (errno {ctypes.get_errno()}): cannot drop root's file permissions")
+    saved = data[0].effective
+    data[0].effective &= ~_DAC_CAPS
+    if libc.capset(ctypes.byref(header), data) != 0:
+        pytest.skip(f"capset failed (errno {ctypes.get_errno()}): cannot drop root's file permissions")
+    try:
+        yield
+    finally:
+        data[0].effective = saved
+        assert libc.capset(ctypes.byref(header), data) == 0, "could not restore this thread's capabilities"
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_with_the_fix(tmp_path):
+    """A bind-mounted folder of another user (Docker makes a missing one as root): one line that says
+    whose it is, who the peer runs as, and the fixes: chown, --user $(id -u), or a named volume."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    if os.geteuid() == 0:
+        os.chown(data, 4321, 4321)  # another user's folder
+    else:
+        data.chmod(0o555)
+    try:
+        with _as_a_user_the_folder_is_not_for(), pytest.raises(ConfigError) as refused:
+            CheckpointDirLock(data / "ckpt").acquire()
+    finally:
+        data.chmod(0o755)
+    said = str(refused.value)
+    assert "\n" not in said and f"cannot use --checkpoint_dir {data / 'ckpt'}: Permission denied" in said
+    assert f"runs as uid {os.geteuid()}" in said and f"{data} belongs to uid" in said, said
+    assert "chown" in said and "--user $(id -u)" in said and "named volume" in said, said
+    assert not (data / "ckpt").exists()

@@ -8,14 +8,24 @@ import argparse
 import hashlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
+from monitoring.metrics import PeerMetrics
+from monitoring.swarm.service import MonitorOptions
 from peer.cli.flags import given
-from peer.cli.main import build_parser
+from peer.cli.main import build_parser, main, subcommand_names
 from peer.cli.swarm_commands import peer_config
-from peer.config import MANIFEST_FORMAT_VERSION, PeerConfig, RunManifest, SyncConfig, one_line
+from peer.config import (
+    MANIFEST_FORMAT_VERSION,
+    PeerConfig,
+    RunManifest,
+    SyncConfig,
+    load_peer_config,
+    one_line,
+)
 from peer.errors import ConfigError
 from peer.run.options import MANIFEST_FLAGS, RunOptions, manifest_flags, manifest_settings
 
@@ -193,11 +203,74 @@ def test_a_format_5_manifest_is_refused_with_one_line(tmp_path):
     assert "\n" not in str(err.value) and reason in str(err.value), err.value
 
 
-def test_the_top_level_help_names_every_subcommand():
+def help_output(capsys, *command: str) -> str:
+    """What `pathswarm COMMAND --help` prints, as a user sees it."""
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """Every option of a --help output with its help text on one line."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"^  -", line):
+            flags, _, rest = line.strip().partition("  ")
+            current = flags.split(",")[-1].split()[0]
+            entries[current] = rest.strip()
+        elif current and re.match(r"^ {3,}\S", line):
+            entries[current] = f"{entries[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return entries
+
+
+def test_the_top_level_help_names_every_subcommand(capsys):
     parser, _ = build_parser()
-    usage, description = parser.format_help().split("positional arguments")[0].split("\n\n", 1)
+    text = help_output(capsys)
+    usage, description = text.split("positional arguments")[0].split("\n\n", 1)
     assert usage.startswith("usage:")
+    description = " ".join(description.split())
+    assert description.endswith("."), description  # whole, not cut off
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name in action.choices:
         assert re.search(rf"\b{name}\b", description), f"{name} is missing from: {description}"
-    assert "run create" in description and "run reroute" in description
+    for name in subcommand_names(parser):
+        assert name in description, f"{name} is missing from: {description}"
+    assert {"run create", "run reroute", "run invite", "run admit"} <= set(subcommand_names(parser))
+
+
+def test_every_subcommands_help_shows_every_flags_default(capsys):
+    """The real --help of every subcommand, nested ones included: each option says its default, that
+    it is required, or what leaving it unset does, whether it came from the config tree or by hand."""
+    parser, _ = build_parser()
+    commands = subcommand_names(parser)
+    assert len(commands) >= 13, commands
+    for command in commands:
+        entries = help_entries(help_output(capsys, *command.split()))
+        assert entries and "--help" in entries, command
+        silent = {
+            flag: said
+            for flag, said in entries.items()
+            if flag != "--help" and not re.search(r"default|required|unset", said)
+        }
+        assert not silent, f"pathswarm {command} --help: {silent}"
+
+
+def test_metrics_host_help_says_the_address_a_peer_listens_on_and_how_to_expose_it(capsys):
+    said = help_entries(help_output(capsys, "peer"))["--metrics_host"]
+    default = re.search(r"\(default: (\S+)\)$", said).group(1)
+    assert default == "127.0.0.1" and "0.0.0.0" in said and "-p 9100:9100" in said, said
+    config = load_peer_config({"run": "demo", "initial_peers": ["/ip4/127.0.0.1/tcp/1/p2p/x"]})
+    metrics = PeerMetrics(run="demo", peer_id="p", path="0", version="0")
+    try:  # what the peer does with it (peer/training/peer.py)
+        metrics.serve(0, config.metrics_host)
+        assert metrics._server.server_address[0] == default
+    finally:
+        metrics.shutdown()
+    # the image keeps the default: its README line runs on the host's network, where loopback is the host's
+    dockerfile = (Path(__file__).parents[1] / "docker" / "Dockerfile").read_text()
+    assert "PATHSWARM_METRICS_HOST" not in dockerfile.replace("-e PATHSWARM_METRICS_HOST", "")
+    monitor = help_entries(help_output(capsys, "monitor"))["--host"]
+    assert monitor.endswith("(default: 127.0.0.1)") and MonitorOptions("r", [], []).host == "127.0.0.1"

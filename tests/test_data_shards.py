@@ -119,6 +119,7 @@ def test_a_peer_without_the_files_fetches_the_runs_shards_and_tokenizer_and_trai
     proc = subprocess.run(
         [sys.executable, "-m", "peer", "eval", "--manifest_path", str(manifest_path), "--checkpoints",
          str(tmp_path / "a"), str(tmp_path / "b"), "--max_docs", "10", "--baseline_steps", "0",
+         "--swarm_baseline_steps", "0",
          "--json", str(tmp_path / "eval.json")],
         capture_output=True, text=True, cwd=REPO, timeout=150,
     )  # fmt: skip

@@ -206,6 +206,13 @@ def test_compose_file_is_valid_and_wires_the_volunteer_settings():
     for name in ("bootstrap", "peer", "peer-gpu", "monitor", "prometheus", "grafana"):
         assert services[name]["restart"] == "unless-stopped", name
     assert any(v.endswith(":/data:rw") or v.endswith(":/data") for v in services["peer"]["volumes"])
+    # docker stop's SIGTERM: time to finish the step, checkpoint and leave (Docker's default is 10 s)
+    assert services["peer"]["stop_grace_period"] == "2m" and services["peer-gpu"]["stop_grace_period"] == "2m"
+    # a run without --share_data: its files from DATA_DIR (unset in the example: an empty volume)
+    assert env["PATHSWARM_DATA_ROOT"] == "/corpus" and "peer-corpus:/corpus:ro" in services["peer"]["volumes"]
+    with_data = compose_config({**settings, "DATA_DIR": "/srv/corpus"})
+    peer = yaml.safe_load(with_data.stdout)["services"]["peer"]
+    assert "/srv/corpus:/corpus:ro" in peer["volumes"], peer["volumes"]
     assert "monitor --run " + settings["RUN"] in services["monitor"]["command"]
     # every file the stack mounts is in the repository (the monitoring files come from the monitor's issue)
     mounts = [v.split(":")[0] for s in services.values() for v in s.get("volumes", []) if v.startswith("/")]

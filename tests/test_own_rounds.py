@@ -1,5 +1,5 @@
-"""A peer's own round count (what --max_rounds limits) across resumes, and how loudly a joiner's first
-rounds report a dropped member or a repair."""
+"""A peer's own round count (what --max_rounds limits) across resumes, and how loudly a module's first
+rounds (a joiner's, or a new swarm's) report a dropped member, a repair or a merge."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from types import SimpleNamespace
 
 import torch
 
+from peer.config import OuterOptimizerConfig
+from peer.model.grid import ModelConfig
+from peer.model.transformer import GridModel
 from peer.sync.agreement import LEFT
+from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import FragmentDone
 from peer.sync.rounds import RoundResult
-from peer.sync.settling import SETTLING_ROUNDS, settle, went_on_without_us
+from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
 from peer.training.history import RoundHistory
 
 
@@ -45,7 +49,7 @@ def _result(outcome: str = "averaged", **kw) -> RoundResult:
 
 
 def test_a_joiners_first_rounds_say_drops_and_repairs_at_info_then_a_drift_warns():
-    ms = SimpleNamespace(settling=SETTLING_ROUNDS)  # just downloaded
+    ms = SimpleNamespace(settling=SETTLING_ROUNDS, forming=0)  # just downloaded
     # the holders saw the joiner at different moments: one averaged without it, the next round repairs
     assert settle(ms, _result(dropped={"a": "missing"})) == logging.INFO
     assert settle(ms, _result(repair_from=["a", "c"])) == logging.INFO
@@ -54,21 +58,59 @@ def test_a_joiners_first_rounds_say_drops_and_repairs_at_info_then_a_drift_warns
 
 
 def test_settling_ends_after_a_few_rounds_even_without_a_clean_average():
-    ms = SimpleNamespace(settling=SETTLING_ROUNDS)
+    ms = SimpleNamespace(settling=SETTLING_ROUNDS, forming=0)
     levels = [settle(ms, _result("alone")) for _ in range(SETTLING_ROUNDS)]
     assert levels == [logging.INFO] * SETTLING_ROUNDS
     assert settle(ms, _result(dropped={"a": "missing"})) == logging.WARNING
-    assert settle(SimpleNamespace(settling=0), _result(dropped={"a": "missing"})) == logging.WARNING
+    assert (
+        settle(SimpleNamespace(settling=0, forming=0), _result(dropped={"a": "missing"})) == logging.WARNING
+    )
 
 
 def test_a_joiner_whose_holders_decided_its_first_round_without_it_takes_their_copy_not_its_own():
     """A holder that does not see a joiner's claim yet decides the round alone; the joiner, alone
     too, would apply its own Δ beside the holder's and their copies would split. While settling, it
     takes the holders' copy instead; holders that left, or a joiner that settled, change nothing."""
-    joiner = SimpleNamespace(settling=SETTLING_ROUNDS)
+    joiner = SimpleNamespace(settling=SETTLING_ROUNDS, forming=0)
     passed_by = _result("alone", dropped={"b": "missing", "a": "missing"})
     assert went_on_without_us(joiner, passed_by) == ["a", "b"]
     assert went_on_without_us(joiner, _result("alone", dropped={"a": LEFT})) == []
     assert went_on_without_us(joiner, _result("averaged", dropped={"a": "missing"})) == []
-    settled = SimpleNamespace(settling=0)  # a member in step whose group stalled goes on with its own
+    settled = SimpleNamespace(
+        settling=0, forming=0
+    )  # a member in step whose group stalled goes on with its own
     assert went_on_without_us(settled, _result("alone", dropped={"a": "missing"})) == []
+
+
+def _fresh_module() -> ModuleSync:
+    """A module as a peer of a new swarm starts it: its initial weights, nothing downloaded."""
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64)
+    return ModuleSync(
+        cfg, "l0m1", GridModel(cfg, seed=0).path_model((1, 0)).parts["l0m1"], OuterOptimizerConfig(), 1
+    )
+
+
+def test_a_new_swarms_holders_meeting_merge_at_info_in_plain_words_and_a_later_split_warns():
+    """Holders of a new swarm start from the same weights but take their first rounds alone, before
+    they see each other's claims: their copies differ when they meet, and the merge that follows is
+    how a swarm forms, not an alarm. Copies that were in step (a clean average) and then split are."""
+    ms = _fresh_module()
+    assert ms.settling == 0  # nothing was downloaded: no joiner's grace
+    for _ in range(2 * SETTLING_ROUNDS):  # alone, nobody else holds it yet: no company, no count
+        assert settle(ms, _result("alone", members=["me"])) == logging.INFO
+    level, text = merge_note(ms, 0, copies=2, members=2)
+    assert level == logging.INFO and "merged the diverged copies of 2 members" in text, text
+    assert "first rounds" in text and "split" not in text, text
+    assert settle(ms, _result(dropped={"b": "missing"})) == logging.INFO  # the group still forming
+    assert settle(ms, _result(members=["me", "b"])) == logging.INFO and ms.forming == 0  # in step
+    level, text = merge_note(ms, 0, copies=2, members=2)
+    assert level == logging.WARNING and "split" in text and "merged the diverged copies" in text, text
+    assert settle(ms, _result(dropped={"b": "missing"})) == logging.WARNING
+
+
+def test_a_fresh_modules_grace_ends_after_a_few_rounds_with_company_that_never_average_cleanly():
+    ms = _fresh_module()
+    for _ in range(SETTLING_ROUNDS):
+        assert settle(ms, _result("alone", members=["me"], dropped={"b": "missing"})) == logging.INFO
+    assert merge_note(ms, 0, copies=3, members=3)[0] == logging.WARNING
+    assert settle(ms, _result(dropped={"b": "missing"})) == logging.WARNING

@@ -15,6 +15,7 @@ import pytest
 from peer.cli.local_swarm import LocalSwarm
 from peer.data.corpus import write_corpus
 from peer.run.record import load_record
+from tests.test_readme_snippets import run_hf_snippet
 
 pytestmark = pytest.mark.swarm
 
@@ -118,7 +119,7 @@ def _initial_peer(swarm: LocalSwarm, cwd: Path) -> str:
 
 
 @pytest.mark.timeout(420)
-def test_the_researchers_steps_run_as_written(tmp_path):
+def test_the_researchers_steps_run_as_written(tmp_path, monkeypatch):
     """Every command of "For researchers" in order, as written: the bootstrap's port and the address
     placeholder are the only substitutions (a test cannot own port 31337), and the peer line runs
     once per peer with its own checkpoint_dir, as its comment says."""
@@ -162,6 +163,12 @@ def test_the_researchers_steps_run_as_written(tmp_path):
     assert (tmp_path / "path0" / "config.json").exists()
     assert (tmp_path / "path0-hf" / "model.safetensors").exists()
     assert (tmp_path / "path0-hf" / "tokenizer.json").exists()
+    # then the researcher page's transformers snippet on that export, with a prompt of 38 bytes (any
+    # over 24 once indexed past the 64 positions), as docs/researcher.md links it from here
+    prompt = "def add(a, b):\n    return a + b  # sum"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch
+    printed = run_hf_snippet(tmp_path / "path0-hf", prompt)
+    assert printed.startswith(prompt) and "[stopped at the model's context: 64 tokens" in printed, printed
 
 
 @pytest.mark.timeout(300)

@@ -196,6 +196,7 @@ def test_a_live_run_is_rerouted_by_its_creator_and_the_peers_switch_at_a_round_b
     proc = subprocess.run(
         [sys.executable, "-m", "peer", "eval", "--manifest_path", str(manifest_path), "--checkpoints",
          str(tmp_path / "a"), str(tmp_path / "b"), "--max_docs", "30", "--baseline_steps", "0",
+         "--swarm_baseline_steps", "0",
          "--json", str(tmp_path / "eval.json")],
         capture_output=True, text=True, cwd=REPO, timeout=150,
     )  # fmt: skip

@@ -30,7 +30,7 @@ class MonitorOptions:
     identity_path: str | None = None
     metrics_port: int | None = 9101
     http_port: int | None = None
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless exposed on purpose (--host)
     interval_seconds: float = 10.0
     max_peer_series: int = 100
     manifest_timeout_seconds: float = 30.0

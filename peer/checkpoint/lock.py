@@ -12,7 +12,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from peer.errors import ConfigError
+from peer.errors import ConfigError, permission_fix
 
 LOCK_NAME = ".pathswarm.lock"
 
@@ -28,6 +28,11 @@ class CheckpointDirLock:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as e:
+            raise ConfigError(
+                f"cannot use --checkpoint_dir {self.directory}: {e.strerror or e}; "
+                + permission_fix(self.directory)
+            ) from None
         except OSError as e:
             raise ConfigError(f"cannot use --checkpoint_dir {self.directory}: {e.strerror or e}") from None
         try:

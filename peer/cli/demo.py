@@ -31,12 +31,12 @@ RUN_NAME = "demo"
 
 def register(subparsers) -> dict[str, Handler]:
     p = subparsers.add_parser("demo", help="a local swarm on loopback: bootstrap + N peers on a 2x2 grid")
-    p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--inner_steps", type=int, default=40)
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--peers", type=int, default=4, help="peer processes besides the bootstrap node")
+    p.add_argument("--rounds", type=int, default=4, help="outer rounds each peer trains")
+    p.add_argument("--inner_steps", type=int, default=40, help="inner steps per outer round (H)")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per inner step")
     p.add_argument("--out", type=Path, default=None, help="write summary.json and peer logs here")
-    p.add_argument("--timeout_seconds", type=float, default=600)
+    p.add_argument("--timeout_seconds", type=float, default=600, help="give up on the demo after this long")
     return {"demo": cmd_demo}
 
 

@@ -4,12 +4,14 @@ A field becomes `--<field name>`: its type, choices (a Literal, or the field's `
 (nargs), bool (store_true; a field that is on by default also gets its `negative` flag) and help
 (the description and the model's default) all come from the model. A flag's argparse default is
 SUPPRESS: an absent flag stays absent from the parsed namespace, so the model's default, or a config
-file's or an environment variable's value, fills it (peer/config/peer_config.py).
+file's or an environment variable's value, fills it (peer/config/peer_config.py). `HelpParser`, the
+parser of `pathswarm` and of every subcommand, shows the default of a flag written by hand alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import types
 import typing
 from pathlib import Path
@@ -48,7 +50,9 @@ def _add_flag(parser, name: str, field: FieldInfo, required: bool) -> None:
             negative = _extra(field).get("negative", f"no_{name}")
             off_help = _extra(field).get("negative_help", f"turn --{name} off")
             parser.add_argument(
-                f"--{negative}", action="store_false", **{**common, "help": _escape(off_help)}
+                f"--{negative}",
+                action="store_false",
+                **{**common, "help": _escape(f"{off_help} (default: --{name}, on)")},
             )
         return
     if required and field.is_required():
@@ -111,3 +115,35 @@ def flag_or_default(args: argparse.Namespace, model: type[BaseModel], name: str)
     if hasattr(args, name):
         return getattr(args, name)
     return model.model_fields[name].get_default(call_default_factory=True)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's default in --help. A flag generated from a model says its own (its argparse
+    default is SUPPRESS); a flag written by hand gets "(default: X)", or "(required)", unless its help
+    already says what its default is."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.option_strings and action.help is not argparse.SUPPRESS:
+            action = copy.copy(action)  # argparse prints no help line, hence no default, for no help
+            action.help = self._with_default(action)
+        return super()._format_action(action)
+
+    @staticmethod
+    def _with_default(action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        if action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.required:
+            return f"{text} (required)".strip()
+        if action.default is None and "unset" in text:
+            return text  # it says what unset means
+        return f"{text} (default: {_escape(show_default(action.default))})".strip()
+
+
+class HelpParser(argparse.ArgumentParser):
+    """An ArgumentParser whose --help shows defaults; its subparsers are HelpParsers too (argparse
+    makes a subparser of the parser's own class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)

@@ -29,8 +29,8 @@ CONTRIBUTING_SECONDS = 600.0
 def register(subparsers) -> dict[str, Handler]:
     h = subparsers.add_parser("health", help="check that the local peer answers on its metrics port")
     h.add_argument("--metrics_port", type=int, default=None, help="default: $PATHSWARM_METRICS_PORT")
-    h.add_argument("--metrics_host", default="127.0.0.1")
-    h.add_argument("--timeout_seconds", type=float, default=5.0)
+    h.add_argument("--metrics_host", default="127.0.0.1", help="where the peer's /metrics listens")
+    h.add_argument("--timeout_seconds", type=float, default=5.0, help="how long to wait for an answer")
     return {"health": cmd_health}
 
 

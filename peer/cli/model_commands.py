@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -30,7 +31,15 @@ def register(subparsers) -> dict[str, Handler]:
         "--baseline_steps",
         type=int,
         default=None,
-        help="train the dense path-size baseline this many steps (default: the checkpoints' steps; 0: skip)",
+        help="train the dense path-size baseline this many steps (default: one path's steps, the "
+        "checkpoints' most; 0: skip)",
+    )
+    e.add_argument(
+        "--swarm_baseline_steps",
+        type=int,
+        default=None,
+        help="and the same dense model this many steps (default: the swarm's steps, all paths' steps "
+        "together, as many tokens as the swarm trained on; 0: skip)",
     )
     e.add_argument("--batch_size", type=int, default=None, help="baseline batch size (default: the peers')")
     e.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -38,11 +47,14 @@ def register(subparsers) -> dict[str, Handler]:
     g = subparsers.add_parser("generate", help="sample a continuation from the path the prompt routes to")
     _source_flags(g, required=False)
     g.add_argument("--exported", type=Path, default=None, help="a folder written by `pathswarm export`")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max_new_tokens", type=int, default=128)
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max_new_tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument(
+        "--min_new_tokens", type=int, default=0, help="never stop at the end-of-text token before this many"
+    )
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top_k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the sampling's seed")
 
     x = subparsers.add_parser("export", help="write one path as a standalone model")
     _source_flags(x)
@@ -135,27 +147,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_untrained(manifest, steps_per_path, shares, args.allow_untrained, "held-out documents route to")
     result = evaluate(grid, docs, tok, route, context=manifest.seq_len, routed=routed)
 
-    steps = (
-        args.baseline_steps if args.baseline_steps is not None else max(int(c.meta["step"]) for c in ckpts)
-    )
-    if steps < 0:
-        raise ConfigError("--baseline_steps must be >= 0")
-    dense = None
-    if steps:
-        model = _dense_baseline(
-            manifest,
-            base,
-            tok,
-            args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8,
-            steps,
-            folders,
-        )
-        dense = evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed)
+    # the dense path-size model at one path's steps and at the swarm's (all paths' steps together)
+    one_path = max(int(c.meta["step"]) for c in ckpts)
+    steps = {
+        ONE_PATH: one_path if args.baseline_steps is None else args.baseline_steps,
+        SWARM: sum(steps_per_path.values())
+        if args.swarm_baseline_steps is None
+        else args.swarm_baseline_steps,
+    }
+    if min(steps.values()) < 0:
+        raise ConfigError("--baseline_steps and --swarm_baseline_steps must be >= 0")
+    batch_size = args.batch_size or _checkpoint_batch_size(ckpts, manifest.seq_len) or 8
+    dense = _dense_baselines(manifest, base, tok, batch_size, steps, folders, docs, route, routed)
 
-    _print_table(manifest, result, dense, steps_per_path, shares)
-    ratio = result.ppl / dense.ppl if dense else math.nan
-    if dense:
-        print(f"composite / dense perplexity: {ratio:.3f} (dense baseline: {steps} steps)")
+    unit = _unit(tok)
+    _print_table(manifest, result, dense, steps_per_path, shares, unit)
+    what = "a byte token; each document's end-of-text token counts as one" if unit == "byte" else "token"
+    print(f"perplexity is per {unit} ({what}); bits per byte: NLL in bits over the scored text's bytes")
+    print(f"composite: perplexity {result.ppl:.3f} per {unit}, {result.bits_per_byte:.3f} bits per byte")
+    ratios = {}
+    for label, (n, scored) in dense.items():
+        ratios[label] = result.ppl / scored.ppl
+        print(
+            f"composite / dense perplexity: {ratios[label]:.3f} (dense baseline: {n} steps, {label}; "
+            f"{scored.ppl:.3f} per {unit}, {scored.bits_per_byte:.3f} bits per byte)"
+        )
     balance = max(shares.values()) / min(shares.values()) if min(shares.values()) > 0 else math.inf
     print(f"routing balance: the largest path's share of held-out documents is {balance:.2f}x the smallest's")
     if args.json is not None:
@@ -163,9 +179,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             run_id=manifest.run_id,
             composite=_with_paths(result.to_dict(), steps_per_path, shares),
             routing_balance=balance if math.isfinite(balance) else None,
-            dense=dense.to_dict() if dense else None,
-            baseline_steps=steps,
-            ratio=ratio if dense else None,
+            unit=unit,
+            dense=dense[ONE_PATH][1].to_dict() if ONE_PATH in dense else None,
+            baseline_steps=steps[ONE_PATH],
+            ratio=ratios.get(ONE_PATH),
+            dense_swarm_steps=dense[SWARM][1].to_dict() if SWARM in dense else None,
+            swarm_baseline_steps=steps[SWARM],
+            ratio_swarm_steps=ratios.get(SWARM),
             checkpoints=[
                 dict(
                     directory=str(c.directory),
@@ -180,45 +200,65 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dense_baseline(manifest, base, tok, batch_size: int, steps: int, shard_folders: list[Path]):
-    """The dense path-size baseline trained `steps` on the run's training documents. The peers' cosine
-    runs over manifest.inner.total_steps; the baseline follows the same one. A warm-started run's
-    paths all started from its base: so does the baseline."""
+#: the two dense baselines: one path's steps, and the swarm's (all paths' steps together)
+ONE_PATH, SWARM = "one path's steps", "the swarm's steps"
+
+
+def _unit(tok) -> str:
+    from peer.model.tokenizer import ByteTokenizer
+
+    return "byte" if isinstance(tok, ByteTokenizer) else "token"
+
+
+def _dense_baselines(
+    manifest, base, tok, batch_size, steps: dict[str, int], shard_folders, docs, route, routed
+):
+    """label -> (steps, result): one dense path-size model trained on the run's training documents to
+    the most steps asked, scored on the way at each count (0: not trained). The peers' cosine runs over
+    manifest.inner.total_steps; the baseline follows the same one. A warm-started run's paths all
+    started from its base: so does the baseline."""
     from peer.data.sources import load_documents, split_of
     from peer.model.base import base_model
+    from peer.offline.evaluation import evaluate
     from peer.offline.simulate import DenseTrainer, SimConfig
 
-    docs = load_documents(manifest.dataset, shard_folders=shard_folders)
-    train = [t for t in docs if split_of(t, manifest.dataset) == "train"]
+    wanted = {label: n for label, n in steps.items() if n > 0}
+    if not wanted:
+        return {}
+    train = [t for t in load_documents(manifest.dataset, shard_folders=shard_folders)
+             if split_of(t, manifest.dataset) == "train"]  # fmt: skip
     cfg = SimConfig.from_manifest(manifest, batch_size=batch_size)
-    print(f"training the dense path-size baseline: {steps} steps of batch {batch_size}")
+    most = max(wanted.values())
+    print(f"training the dense path-size baseline: {most} steps of batch {batch_size}")
     start = base_model(manifest.model, base) if base is not None else None
-    return DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, steps), model=start).train(steps)
+    trainer = DenseTrainer(cfg, train, tok, max(manifest.inner.total_steps, most), model=start)
+    done, out = 0, {}
+    for label, n in sorted(wanted.items(), key=lambda kv: kv[1]):
+        model = trainer.train(n - done)
+        done = n
+        out[label] = (n, evaluate(model, docs, tok, route, context=manifest.seq_len, routed=routed))
+    return {label: out[label] for label in wanted}
 
 
-def _print_table(manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float]) -> None:
-    """Per path: trained steps, share of the held-out documents, composite and dense perplexity."""
+def _print_table(
+    manifest, result, dense, steps_per_path: dict[int, int], shares: dict[int, float], unit: str
+):
+    """Per path: trained steps, share of the held-out documents, composite and dense perplexity (per
+    byte with the byte tokenizer, else per token), the dense model's at each baseline's steps."""
     from peer.model.grid import path_from_index
 
-    rows = [("path", "steps", "share", "docs", "tokens", "dipaco ppl", "dense ppl")]
+    headers = [f"dense ppl/{unit} ({n} steps)" for n, _ in dense.values()]
+    rows = [("path", "steps", "share", "docs", "tokens", f"dipaco ppl/{unit}", *headers)]
     for p, s in sorted(result.per_path.items()):
-        dense_ppl = f"{dense.per_path[p].ppl:.3f}" if dense else "-"
         label = f"{p} {','.join(map(str, path_from_index(manifest.model, p)))}"
+        dense_ppl = [f"{d.per_path[p].ppl:.3f}" for _, d in dense.values()]
         share = f"{shares[p]:.1%}"
         rows.append(
-            (label, str(steps_per_path[p]), share, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", dense_ppl)
+            (label, str(steps_per_path[p]), share, str(s.docs), str(s.tokens), f"{s.ppl:.3f}", *dense_ppl)
         )
-    rows.append(
-        (
-            "all",
-            str(sum(steps_per_path.values())),
-            "100%",
-            str(result.docs),
-            str(result.tokens),
-            f"{result.ppl:.3f}",
-            f"{dense.ppl:.3f}" if dense else "-",
-        )
-    )
+    all_steps, tokens = str(sum(steps_per_path.values())), str(result.tokens)
+    dense_all = [f"{d.ppl:.3f}" for _, d in dense.values()]
+    rows.append(("all", all_steps, "100%", str(result.docs), tokens, f"{result.ppl:.3f}", *dense_all))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
@@ -243,7 +283,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from peer.swarm.base_model import base_on_disk
 
     sampling = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
     )
     if args.exported is not None:
         if args.manifest_path is not None or args.checkpoints:
@@ -274,6 +318,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     print(f"[path {out.path_index} {','.join(map(str, out.path))}]")
     print(args.prompt + out.text)
+    # on stderr, so that stdout stays the text: a prompt printed alone is never left unexplained
+    print(f"[{out.why()}]", file=sys.stderr)
     return 0
 
 

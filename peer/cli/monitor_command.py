@@ -18,7 +18,13 @@ def register(subparsers) -> dict[str, Handler]:
         "--metrics_port", type=int, default=9101, help="serve Prometheus /metrics here (0: any free)"
     )
     p.add_argument("--http_port", type=int, default=None, help="serve the status page here (0: any free)")
-    p.add_argument("--host", default="0.0.0.0", help="address the metrics and the page listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the metrics and the page listen on: 127.0.0.1 serves this machine only (with "
+        "docker/compose.yaml's host network, Prometheus and Grafana there too); 0.0.0.0 serves every "
+        "network it is on, e.g. to open the page from another machine",
+    )
     p.add_argument("--interval_seconds", type=float, default=10.0, help="seconds between polls of the DHT")
     p.add_argument(
         "--max_peer_series", type=int, default=100, help="peers that get Prometheus series of their own"

@@ -110,7 +110,10 @@ class PeerConfig(BaseModel):
     )
     # loopback by default: a volunteer exposes metrics deliberately
     metrics_host: str = Field(
-        "127.0.0.1", description="the address /metrics listens on (containers pass 0.0.0.0)"
+        "127.0.0.1",
+        description="the address /metrics listens on: 127.0.0.1 serves this machine only (a container "
+        "on --network host too, as docker/ runs it); 0.0.0.0 serves every network it is on, e.g. for a "
+        "container on Docker's bridge network published with -p 9100:9100, or a Prometheus elsewhere",
     )
     checkpoint_dir: Path | None = Field(
         None,

@@ -5,7 +5,10 @@ path on the tokens after those 32 (the router saw them, so scoring them would fl
 path). Long documents are scored with a sliding window of the training context: every target token
 is scored exactly once, and all but the first window give it at least half a context of history.
 Perplexity is exp(total NLL / total scored tokens) over all documents, so long documents weigh by
-their length; per path the same sums are kept for the documents routed there.
+their length; per path the same sums are kept for the documents routed there. Perplexity is per
+token: with the byte tokenizer a token is a byte (and each document's end-of-text token). Bits per
+byte, total NLL in bits over the UTF-8 bytes of the scored text, compares runs whatever their
+tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from peer.data.batches import encode_document
 from peer.model.grid import path_from_index
 from peer.model.route import Route, route_documents
-from peer.model.tokenizer import Tokenizer
+from peer.model.tokenizer import ByteTokenizer, Tokenizer
 from peer.model.transformer import GridModel, PathModel
 
 #: tokens the router reads: never scored (DiPaCo scores what follows them)
@@ -35,10 +38,16 @@ class PathStats:
     docs: int = 0
     tokens: int = 0
     nll: float = 0.0
+    #: UTF-8 bytes of the scored text (special tokens have none)
+    text_bytes: int = 0
 
     @property
     def ppl(self) -> float:
         return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll / math.log(2) / self.text_bytes if self.text_bytes else float("nan")
 
 
 @dataclass
@@ -63,13 +72,23 @@ class EvalResult:
     def ppl(self) -> float:
         return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
 
+    @property
+    def bits_per_byte(self) -> float:
+        return PathStats(self.docs, self.tokens, self.nll, self.text_bytes).bits_per_byte
+
+    @property
+    def text_bytes(self) -> int:
+        return sum(s.text_bytes for s in self.per_path.values())
+
     def to_dict(self) -> dict[str, Any]:
         return dict(
             ppl=self.ppl,
+            bits_per_byte=self.bits_per_byte,
             docs=self.docs,
             tokens=self.tokens,
+            text_bytes=self.text_bytes,
             per_path={
-                str(p): dict(docs=s.docs, tokens=s.tokens, ppl=s.ppl)
+                str(p): dict(docs=s.docs, tokens=s.tokens, ppl=s.ppl, bits_per_byte=s.bits_per_byte)
                 for p, s in sorted(self.per_path.items())
             },
         )
@@ -172,5 +191,13 @@ def evaluate(
             raise ValueError(f"documents are routed to path {p}, which has no model")
         docs = [t for t, q in zip(token_lists, paths, strict=True) if q == p]
         nll, count = score_documents(model, docs, skip, context, batch_size)
-        result.per_path[p] = PathStats(len(docs), int(count.sum()), float(nll.sum()))
+        text_bytes = sum(scored_bytes(tokenizer, d[max(skip, 1) :]) for d in docs)
+        result.per_path[p] = PathStats(len(docs), int(count.sum()), float(nll.sum()), text_bytes)
     return result
+
+
+def scored_bytes(tokenizer: Tokenizer, ids: Sequence[int]) -> int:
+    """UTF-8 bytes of the text the scored ids spell."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return sum(1 for i in ids if 0 <= i < 256)  # exact, even where a window cuts a character
+    return len(tokenizer.decode(list(ids)).encode("utf-8"))

@@ -213,10 +213,11 @@ def export_hf(
     tok = check_tokenizer(manifest, artifact_folders)
     files = tokenizer_files(tok, manifest.seq_len)
     files["config.json"] = gpt2_config(manifest, path, tok)
-    # generate() stops at EOS and pads with PAD; the window limit is n_positions (no max_length here:
-    # transformers warns when a caller's max_new_tokens meets one)
+    # generate() stops at EOS and pads with PAD, and stops at the context: the position table has
+    # n_positions rows, and a longer sequence fails inside the model with an IndexError. (A caller's
+    # max_new_tokens takes precedence, with a warning from transformers that both are set.)
     files["generation_config.json"] = dict(
-        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
+        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, max_length=manifest.seq_len
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     # a hidden sibling, so a failure half-way leaves no half-written model where --out points

@@ -41,6 +41,30 @@ class Generation:
     tokens: list[int]  # its token ids
     path: tuple[int, ...]
     path_index: int
+    #: why it ended: "eos" (the model's end-of-text token) or "max_new_tokens"
+    stopped: str = "max_new_tokens"
+    #: the context it ran in; longer prompt + continuation slid the window (the start was not seen)
+    context: int = 0
+    prompt_tokens: int = 0
+
+    def why(self) -> str:
+        """One line: how much was generated, why it ended, and what to try when it says little."""
+        n = len(self.tokens)
+        if self.stopped == "eos" and n == 0:
+            return (
+                "nothing generated: the model's first token after the prompt was its end-of-text token "
+                "(another --seed, or --min_new_tokens N, continues past it)"
+            )
+        end = "at the model's end-of-text token" if self.stopped == "eos" else "at --max_new_tokens"
+        line = f"{n} new tokens, stopped {end}"
+        if self.prompt_tokens + n > self.context:
+            line += f"; past the model's context of {self.context} tokens the window slid on"
+        if n and not self.text.strip():
+            line += (
+                "; the continuation is only whitespace: the model predicts little but spaces, as an "
+                "undertrained one does (train longer: --inner_steps, --max_rounds)"
+            )
+        return line
 
 
 def _choose_path_model(
@@ -71,13 +95,15 @@ def generate(
     *,
     feature_model: PathModel | None = None,
     context_len: int | None = None,
+    min_new_tokens: int = 0,
 ) -> Generation:
     """Samples a continuation of `prompt` from the path its prefix routes to. `router` is a route
     function (as `peer.run.rebuild.make_route`) or a `Router` with its `feature_model`; it is unused for a
     `PathModel`. temperature 0 is greedy. The context is cropped to `context_len` (default
-    max_seq_len; pass the run's seq_len, the window the model was trained on)."""
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ConfigError("max_new_tokens and temperature must be >= 0 and top_k >= 1")
+    max_seq_len; pass the run's seq_len, the window the model was trained on). The end-of-text token
+    is not sampled before `min_new_tokens` tokens."""
+    if min(max_new_tokens, min_new_tokens) < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ConfigError("max_new_tokens, min_new_tokens and temperature must be >= 0 and top_k >= 1")
     ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
     path_model = _choose_path_model(model, router, feature_model, ids)
     cfg = path_model.cfg
@@ -87,10 +113,13 @@ def generate(
     was_training = path_model.training
     path_model.eval()
     new: list[int] = []
+    stopped = "max_new_tokens"
     try:
         for _ in range(max_new_tokens):
             window = torch.tensor([(ids + new)[-context:]], dtype=torch.long, device=device)
             logits = path_model(window)[0, -1].float().cpu()
+            if len(new) < min_new_tokens:
+                logits[tokenizer.eos_id] = float("-inf")
             if temperature == 0:
                 token = int(logits.argmax())
             else:
@@ -100,11 +129,13 @@ def generate(
                     logits = logits.masked_fill(logits < cutoff, float("-inf"))
                 token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
             if token == tokenizer.eos_id:
+                stopped = "eos"
                 break
             new.append(token)
     finally:
         path_model.train(was_training)
-    return Generation(prompt, tokenizer.decode(new), new, path_model.path, path_index(cfg, path_model.path))
+    index = path_index(cfg, path_model.path)
+    return Generation(prompt, tokenizer.decode(new), new, path_model.path, index, stopped, context, len(ids))
 
 
 def export_path(

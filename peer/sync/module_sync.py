@@ -49,6 +49,12 @@ def module_digest(fragment_digests: list[str]) -> str:
     return hashlib.sha256("".join(fragment_digests).encode()).hexdigest()
 
 
+#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
+#: the holders see the joiner's claim at different moments, so its first round's group can differ
+#: between members (one averages with it, another without), and the next round's digests repair it
+SETTLING_ROUNDS = 3
+
+
 @dataclass(frozen=True)
 class PreparedStep:
     """A fragment's outer step computed ahead of its installation (`ModuleSync.prepare_step`)."""
@@ -90,6 +96,10 @@ class ModuleSync:
         #: rounds left in which this copy, just downloaded to join (or rejoin) its holders, may still
         #: disagree with the group's: a joiner's first round races the holders' views of the group
         self.settling = 0
+        #: rounds with company left in which this copy, started here rather than downloaded, may
+        #: differ from its group's as a matter of course: in a new swarm every holder takes its first
+        #: rounds alone until it sees the others (only how loudly that is logged depends on it)
+        self.forming = SETTLING_ROUNDS
         self._digests: list[str | None] = [None] * n_fragments
         #: a state served to another peer (on the sync service's thread) is one round's tensors with
         #: that round's count: a round's install or a download changes both under this lock

@@ -39,7 +39,7 @@ from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, 
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
-from peer.sync.settling import SETTLING_ROUNDS, settle, went_on_without_us
+from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
 from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_module_state
 from peer.sync.state_transfer import StateHistory, install_state_handlers
@@ -261,23 +261,14 @@ class PathSync:
                 logger.warning(f"{ms.module_id} fragment {fragment}: no other copy came; keeping ours")
                 return
             ms.load_fragment_copy(fragment, theta, momentum)
-            logger.info(
-                f"{ms.module_id} fragment {fragment}: merged the diverged copies of {len(used)} holders"
-            )
         except Exception as e:
             logger.error(
                 f"{ms.module_id} fragment {fragment}: merging copies failed: {type(e).__name__}: {e}"
             )
             return
         self.metrics.copies_merged()
-        # a group's first rounds after joins (its members' views of each other still settling) merge
-        # as a matter of course; a copy that was in step and then split is worth a warning
-        level = logging.INFO if ms.settling > 0 else logging.WARNING
-        logger.log(
-            level,
-            f"{ms.module_id} fragment {fragment}: the group's copies differed with no majority "
-            f"({len(set(reported.values()) | {own_digest})} copies); merged those of {len(used)} members",
-        )
+        # holders that each started alone meet in their first rounds; copies in step that split warn
+        logger.log(*merge_note(ms, fragment, len(set(reported.values()) | {own_digest}), len(used)))
 
     def _behind(self, ms: ModuleSync, ahead: list[str], confirmed_only: bool = False) -> bool:
         fetched = self.fetch_state(ms, ahead, confirmed_only)

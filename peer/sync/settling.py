@@ -1,10 +1,14 @@
-"""A module just downloaded to join (or rejoin) its holders, while their views of it settle.
+"""A module's first rounds with company: just downloaded to join (or rejoin) its holders, or started
+here while its other holders start too (a new swarm), while their views of each other settle.
 
 The holders see a joiner's claim at different moments, so for a round or two its group can differ
 between members: one averages with it, another without; a holder that does not see it yet decides
-its round alone. `settle` keeps what is expected then (a dropped member, a repair) at INFO and
-counts the settling down; `went_on_without_us` tells a joiner whose first rounds its holders
-decided without it to take their copy rather than apply its own Δ beside theirs.
+its round alone. Holders of a new swarm start from the same initial weights, but each takes its
+first rounds alone until it sees the others' claims, so their copies differ when they first meet
+and are merged. `settle` keeps what is expected then (a dropped member, a repair, a merge) at INFO
+and counts both graces down; `went_on_without_us` tells a joiner whose first rounds its holders
+decided without it to take their copy rather than apply its own Δ beside theirs. Only the log level
+and wording depend on `forming`: no decision does.
 """
 
 from __future__ import annotations
@@ -12,23 +16,46 @@ from __future__ import annotations
 import logging
 
 from peer.sync.agreement import LEFT
-from peer.sync.module_sync import ModuleSync
+from peer.sync.module_sync import SETTLING_ROUNDS, ModuleSync
 from peer.sync.rounds import RoundResult
 
-#: rounds after a joiner's download in which a dropped member or a repair is expected, not a fault:
-#: the holders see the joiner's claim at different moments, so its first round's group can differ
-#: between members (one averages with it, another without), and the next round's digests repair it
-SETTLING_ROUNDS = 3
+__all__ = ["SETTLING_ROUNDS", "first_rounds", "merge_note", "settle", "went_on_without_us"]
+
+
+def first_rounds(ms: ModuleSync) -> bool:
+    """Whether the module is in its first rounds with its group here (joined, or a new swarm)."""
+    return ms.settling > 0 or ms.forming > 0
 
 
 def settle(ms: ModuleSync, result: RoundResult) -> int:
-    """The log level of a round's dropped members and repair: INFO while the module is settling after
-    a join (the group's views of its members still differ), WARNING for a copy that was in step and
-    then drifted. A clean average ends the settling; each other round shortens it."""
-    level = logging.INFO if ms.settling > 0 else logging.WARNING
+    """The log level of a round's dropped members and repair: INFO in the module's first rounds with
+    company (the group's views of its members still differ), WARNING for a copy that was in step and
+    then drifted. A clean average ends both graces; each other round shortens the settling after a
+    download, and each round with other members expected shortens a fresh module's (rounds alone
+    before anyone else holds it are no company)."""
+    level = logging.INFO if first_rounds(ms) else logging.WARNING
     odd = result.dropped or result.repair_from or result.merge_with
-    ms.settling = 0 if result.outcome == "averaged" and not odd else max(0, ms.settling - 1)
+    clean = result.outcome == "averaged" and not odd
+    ms.settling = 0 if clean else max(0, ms.settling - 1)
+    company = len(result.members) > 1 or bool(result.dropped)
+    ms.forming = 0 if clean else max(0, ms.forming - 1) if company else ms.forming
     return level
+
+
+def merge_note(ms: ModuleSync, fragment: int, copies: int, members: int) -> tuple[int, str]:
+    """How a merge of copies that no majority held is logged. In the module's first rounds with its
+    group it is how holders that each started alone meet: INFO, in plain words. After that, copies
+    that had been in step split (a healed partition, or a fault): a maintainer must see it."""
+    head = f"{ms.module_id} fragment {fragment}: merged the diverged copies of {members} members"
+    if first_rounds(ms):
+        return logging.INFO, (
+            f"{head} ({copies} copies: its holders took their first rounds before they saw each other, "
+            "as in a new swarm or just after a join; one copy from now on)"
+        )
+    return logging.WARNING, (
+        f"{head}: {copies} copies that had been in step split and no majority holds one (a healed "
+        "partition or a fault; see docs/sync-protocol.md)"
+    )
 
 
 def went_on_without_us(ms: ModuleSync, result: RoundResult) -> list[str]:
