@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from monitoring.swarm import DEFAULT_HOST
 from peer.cli.common import Handler, install_sigterm, setup_logging
 
 
@@ -18,7 +19,12 @@ def register(subparsers) -> dict[str, Handler]:
         "--metrics_port", type=int, default=9101, help="serve Prometheus /metrics here (0: any free)"
     )
     p.add_argument("--http_port", type=int, default=None, help="serve the status page here (0: any free)")
-    p.add_argument("--host", default="0.0.0.0", help="address the metrics and the page listen on")
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="address the metrics and the page listen on (default: %(default)s, this machine only; "
+        "0.0.0.0: every interface, e.g. inside a container or behind a reverse proxy)",
+    )
     p.add_argument("--interval_seconds", type=float, default=10.0, help="seconds between polls of the DHT")
     p.add_argument(
         "--max_peer_series", type=int, default=100, help="peers that get Prometheus series of their own"
