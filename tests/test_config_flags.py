@@ -201,3 +201,13 @@ def test_the_top_level_help_names_every_subcommand():
     for name in action.choices:
         assert re.search(rf"\b{name}\b", description), f"{name} is missing from: {description}"
     assert "run create" in description and "run reroute" in description
+
+
+def test_the_monitor_listens_on_this_machine_only_unless_host_says_otherwise():
+    from monitoring.swarm.service import MonitorOptions
+
+    monitor = subparser("monitor")
+    needed = ["--initial_peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"]
+    assert monitor.parse_args(needed).host == "127.0.0.1" == MonitorOptions("r", needed[1:2], []).host
+    assert "(default: 127.0.0.1, this machine only;" in flag_help(monitor, "--host")
+    assert monitor.parse_args([*needed, "--host", "0.0.0.0"]).host == "0.0.0.0"
