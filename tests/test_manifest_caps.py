@@ -35,26 +35,29 @@ def signed(manifest_json: str) -> ManifestRecord:
     )
 
 
-def with_grid(levels: int, k: int) -> str:
+def with_grid(levels: int, k: int, **model) -> str:
     """A canonical manifest whose model is an LxK grid, whatever the caps say."""
     data = RunManifest(name="huge").model_dump(mode="json")
-    data["model"].update(n_levels=levels, modules_per_level=k)
+    data["model"].update(n_levels=levels, modules_per_level=k, **model)
     return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
 @pytest.mark.parametrize(
-    "levels,k,fragment",
+    "levels,k,model,fragment",
     [
-        (8, 64, f"64**8 = 281474976710656 paths exceeds the cap of {MAX_PATHS} paths"),
-        (3, 17, f"17**3 = 4913 paths exceeds the cap of {MAX_PATHS} paths"),
-        (9, 2, "model.n_levels: Input should be less than or equal to 8"),
-        (2, 65, "model.modules_per_level: Input should be less than or equal to 64"),
+        (8, 64, {}, f"64**8 = 281474976710656 paths exceeds the cap of {MAX_PATHS} paths"),
+        (3, 17, {}, f"17**3 = 4913 paths exceeds the cap of {MAX_PATHS} paths"),
+        (9, 2, {}, "model.n_levels: Input should be less than or equal to 8"),
+        (2, 65, {}, "model.modules_per_level: Input should be less than or equal to 64"),
+        # the memory check walks every block of a path: 10**9 of them would take days
+        (2, 2, {"blocks_per_module": 10**9}, "= 2000000000 blocks per path exceeds the cap of 256"),
+        (2, 2, {"private_blocks_per_path": 255}, "2 * 1 + 255 = 257 blocks per path exceeds the cap of 256"),
     ],
 )
 def test_a_signed_manifest_over_the_grid_caps_is_refused_in_one_line_before_any_path_is_enumerated(
-    tmp_path, levels, k, fragment
+    tmp_path, levels, k, model, fragment
 ):
-    record = signed(with_grid(levels, k))
+    record = signed(with_grid(levels, k, **model))
     path = tmp_path / "manifest.json"
     path.write_text(record.model_dump_json())
     started = time.monotonic()

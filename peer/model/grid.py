@@ -31,6 +31,9 @@ MAX_LEVELS = 8
 MAX_MODULES_PER_LEVEL = 64
 #: paths (K**L): the router's bias, the scheduler's assignment and the monitor's tables hold one per path
 MAX_PATHS = 4096
+#: blocks on one path (levels x blocks per module + private blocks): the deepest open models have about
+#: 128; the memory check a peer makes before it allocates walks every block of its path
+MAX_BLOCKS_PER_PATH = 256
 
 
 class ModelConfig(BaseModel):
@@ -58,6 +61,12 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"modules_per_level ** n_levels = {self.modules_per_level}**{self.n_levels} = "
                 f"{self.n_paths} paths exceeds the cap of {MAX_PATHS} paths"
+            )
+        if self.blocks_per_path > MAX_BLOCKS_PER_PATH:
+            raise ValueError(
+                f"n_levels * blocks_per_module + private_blocks_per_path = {self.n_levels} * "
+                f"{self.blocks_per_module} + {self.private_blocks_per_path} = {self.blocks_per_path} "
+                f"blocks per path exceeds the cap of {MAX_BLOCKS_PER_PATH}"
             )
         return self
 
