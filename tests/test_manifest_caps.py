@@ -23,9 +23,9 @@ from peer.model.grid import MAX_PATHS, ModelConfig
 from peer.run.record import load_verified_manifest, verify_record
 
 
-def signed(manifest_json: str) -> ManifestRecord:
+def signed(manifest_json: str, key: RSAPrivateKey | None = None) -> ManifestRecord:
     """A record exactly as a creator who edited the manifest by hand would sign it."""
-    key = RSAPrivateKey()
+    key = key or RSAPrivateKey()
     run_id = hashlib.sha256(manifest_json.encode()).hexdigest()
     return ManifestRecord(
         run_id=run_id,

@@ -1,5 +1,6 @@
-"""Real processes that start safely: a peer refuses a run whose artifacts its disk cannot hold before it
-fetches a byte of them, and the swarm monitor listens on loopback unless told otherwise."""
+"""Real processes that start safely: the monitor and a joiner refuse a manifest over the grid caps from
+the DHT, a peer refuses a run whose artifacts its disk cannot hold before it fetches a byte of them,
+and the swarm monitor listens on loopback unless told otherwise."""
 
 from __future__ import annotations
 
@@ -13,15 +14,38 @@ import psutil
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
+from dht.keys import manifest_key
+from dht.records import store_record
+from monitoring.swarm.poller import find_manifest
 from peer.artifacts.ref import MAX_ARTIFACT_BYTES, ArtifactRef
 from peer.artifacts.room import free_bytes
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm
 from peer.config import RunManifest
 from peer.data.sources import DatasetSpec
+from peer.errors import SwarmError
+from peer.model.grid import MAX_PATHS
 from peer.run.record import MAX_MANIFEST_BYTES, save_record, sign_manifest
+from peer.swarm.manifest import fetch_manifest
 from tests.swarm_harness import RUN, wait_for, write_manifest
+from tests.test_manifest_caps import signed, with_grid
 
 pytestmark = pytest.mark.swarm
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_and_a_joiner_refuse_a_manifest_over_the_grid_caps_from_the_dht_naming_the_cap(
+    dht_factory,
+):
+    dht, key = dht_factory(run_name="huge")
+    record = signed(with_grid(8, 64), key)  # 64**8 paths: walking them killed the monitor (MemoryError)
+    assert store_record(dht, manifest_key("huge"), key, record, 60)
+    for find in (find_manifest, fetch_manifest):
+        started = time.monotonic()
+        with pytest.raises(SwarmError) as err:
+            find(dht, "huge", None, timeout_seconds=2)
+        message = str(err.value)
+        assert "\n" not in message and f"exceeds the cap of {MAX_PATHS} paths" in message, message
+        assert time.monotonic() - started < 15
 
 
 def shard(i: int) -> ArtifactRef:
