@@ -22,7 +22,7 @@ TRUNK = "trunk"
 Path = tuple[int, ...]
 
 # Caps on a grid, checked when a manifest is read, before anything enumerates its paths or allocates a
-# module: a signed manifest is the creator's claim, and a 64x8 grid (64**8 paths) would have every
+# module: a signed manifest is the creator's claim, and an 8x64 grid (64**8 paths) would have every
 # joiner and the monitor walk 2.8e14 paths. DiPaCo's largest grid is 16x16 = 256 paths; these leave
 # real runs 16 times that room.
 #: levels (L); 8 is already 4096 paths at K = 2, and every level adds a hop on each path's forward
@@ -53,7 +53,7 @@ class ModelConfig(BaseModel):
     fragment_layout: Literal["strided", "sequential"] = "strided"
 
     @model_validator(mode="after")
-    def _check_heads(self) -> ModelConfig:
+    def _check_shape(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         # K and L are each capped by their fields; their power is what enumerating paths costs
