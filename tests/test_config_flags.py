@@ -273,4 +273,14 @@ def test_metrics_host_help_says_the_address_a_peer_listens_on_and_how_to_expose_
     dockerfile = (Path(__file__).parents[1] / "docker" / "Dockerfile").read_text()
     assert "PATHSWARM_METRICS_HOST" not in dockerfile.replace("-e PATHSWARM_METRICS_HOST", "")
     monitor = help_entries(help_output(capsys, "monitor"))["--host"]
-    assert monitor.endswith("(default: 127.0.0.1)") and MonitorOptions("r", [], []).host == "127.0.0.1"
+    assert "(default: 127.0.0.1" in monitor and MonitorOptions("r", [], []).host == "127.0.0.1"
+
+
+def test_the_monitor_listens_on_this_machine_only_unless_host_says_otherwise():
+    from monitoring.swarm.service import MonitorOptions
+
+    monitor = subparser("monitor")
+    needed = ["--initial_peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"]
+    assert monitor.parse_args(needed).host == "127.0.0.1" == MonitorOptions("r", needed[1:2], []).host
+    assert "(default: 127.0.0.1, this machine only;" in flag_help(monitor, "--host")
+    assert monitor.parse_args([*needed, "--host", "0.0.0.0"]).host == "0.0.0.0"

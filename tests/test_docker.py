@@ -227,3 +227,38 @@ def test_compose_refuses_to_start_without_a_run_name():
     env = {k: v for k, v in example_env().items() if k != "RUN"}
     proc = compose_config(env)
     assert proc.returncode != 0 and "set RUN in docker/.env" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_compose_monitoring_listens_on_loopback_and_grafana_has_no_anonymous_or_default_admin():
+    proc = compose_config({**example_env(), "GRAFANA_ADMIN_PASSWORD": "pw-from-env"})
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == "pw-from-env"
+    # this machine only, unless docker/.env says otherwise
+    assert grafana["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert "--web.listen-address=127.0.0.1:9090" in services["prometheus"]["command"]
+    assert services["monitor"]["command"].split()[-2:] == ["--host", "127.0.0.1"]
+    for name, service in services.items():
+        published = [str(p) for p in service.get("ports", [])]
+        assert all(p.startswith("127.0.0.1:") for p in published), (name, published)
+    exposed = compose_config({**example_env(), "MONITOR_HOST": "0.0.0.0", "GRAFANA_HOST": "0.0.0.0"})
+    exposed_services = yaml.safe_load(exposed.stdout)["services"]
+    assert exposed_services["monitor"]["command"].split()[-2:] == ["--host", "0.0.0.0"]
+    assert exposed_services["grafana"]["environment"]["GF_SERVER_HTTP_ADDR"] == "0.0.0.0"
+    # Grafana's entrypoint, run by a real shell as compose would ($$ is compose's escaped $): it refuses
+    # an unset or default password before Grafana (/run.sh) starts, and otherwise hands over to it
+    entrypoint = services["grafana"]["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-c"]
+    script = entrypoint[2].replace("$$", "$")
+    for password, refused in (("", True), ("admin", True), ("pw-from-env", False)):
+        ran = subprocess.run(
+            ["sh", "-c", script, *entrypoint[3:]], capture_output=True, text=True, timeout=10,
+            env={"PATH": os.environ["PATH"], "GF_SECURITY_ADMIN_PASSWORD": password},
+        )  # fmt: skip
+        said = "grafana: set GRAFANA_ADMIN_PASSWORD in docker/.env" in ran.stderr
+        assert (ran.returncode == 64 and said) if refused else (ran.returncode != 64 and not said), (
+            password, ran.returncode, ran.stderr,
+        )  # fmt: skip

@@ -40,12 +40,14 @@ def find_manifest(
     """The one verified manifest of `run_name` (starting with `pin` if given); several candidates are
     an error that lists them, never a silent choice."""
     deadline = time.monotonic() + timeout_seconds
+    refused: set[str] = set()  # why: a manifest over the grid's caps, say, is named, not just missing
     while True:
         candidates: dict[str, tuple[RunManifest, ManifestRecord]] = {}
         for record, _ in read_records(dht, manifest_key(run_name), ManifestRecord):
             try:
                 manifest = verify_record(record)
-            except ValueError:
+            except ValueError as e:
+                refused.add(str(e).splitlines()[0])
                 continue
             if manifest.name == run_name and (pin is None or record.run_id.startswith(pin)):
                 candidates[record.run_id] = (manifest, record)
@@ -56,7 +58,8 @@ def find_manifest(
             raise SwarmError(f"several runs are named {run_name!r}; pin one with --run NAME@HASH: {ids}")
         if time.monotonic() > deadline:
             pinned = f" with hash {pin}..." if pin else ""
-            raise SwarmError(f"no verified manifest for run {run_name!r}{pinned} in the DHT")
+            why = f" (refused records: {'; '.join(sorted(refused))})" if refused else ""
+            raise SwarmError(f"no verified manifest for run {run_name!r}{pinned} in the DHT{why}")
         time.sleep(0.5)
 
 

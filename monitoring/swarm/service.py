@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 
 from dht.keys import check_run_name
 from dht.node import start_dht
+from monitoring.swarm import DEFAULT_HOST
 from monitoring.swarm.exporter import SwarmCollector, make_registry
 from monitoring.swarm.poller import SwarmPoller, find_manifest
 from monitoring.swarm.status import StatusServer
@@ -30,7 +31,7 @@ class MonitorOptions:
     identity_path: str | None = None
     metrics_port: int | None = 9101
     http_port: int | None = None
-    host: str = "127.0.0.1"  # loopback unless exposed on purpose (--host)
+    host: str = DEFAULT_HOST
     interval_seconds: float = 10.0
     max_peer_series: int = 100
     manifest_timeout_seconds: float = 30.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from monitoring.swarm import DEFAULT_HOST
 from peer.cli.common import Handler, install_sigterm, setup_logging
 
 
@@ -20,10 +21,9 @@ def register(subparsers) -> dict[str, Handler]:
     p.add_argument("--http_port", type=int, default=None, help="serve the status page here (0: any free)")
     p.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address the metrics and the page listen on: 127.0.0.1 serves this machine only (with "
-        "docker/compose.yaml's host network, Prometheus and Grafana there too); 0.0.0.0 serves every "
-        "network it is on, e.g. to open the page from another machine",
+        default=DEFAULT_HOST,
+        help="address the metrics and the page listen on (default: %(default)s, this machine only; "
+        "0.0.0.0: every interface, e.g. inside a container or behind a reverse proxy)",
     )
     p.add_argument("--interval_seconds", type=float, default=10.0, help="seconds between polls of the DHT")
     p.add_argument(

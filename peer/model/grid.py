@@ -21,6 +21,20 @@ from peer.errors import ConfigError
 TRUNK = "trunk"
 Path = tuple[int, ...]
 
+# Caps on a grid, checked when a manifest is read, before anything enumerates its paths or allocates a
+# module: a signed manifest is the creator's claim, and an 8x64 grid (64**8 paths) would have every
+# joiner and the monitor walk 2.8e14 paths. DiPaCo's largest grid is 16x16 = 256 paths; these leave
+# real runs 16 times that room.
+#: levels (L); 8 is already 4096 paths at K = 2, and every level adds a hop on each path's forward
+MAX_LEVELS = 8
+#: modules per level (K): router centroids and the monitor's grid view hold one row per module
+MAX_MODULES_PER_LEVEL = 64
+#: paths (K**L): the router's bias, the scheduler's assignment and the monitor's tables hold one per path
+MAX_PATHS = 4096
+#: blocks on one path (levels x blocks per module + private blocks): the deepest open models have about
+#: 128; the memory check a peer makes before it allocates walks every block of its path
+MAX_BLOCKS_PER_PATH = 256
+
 
 class ModelConfig(BaseModel):
     """Shape of the grid model. Frozen: it is part of the signed run manifest."""
@@ -32,16 +46,28 @@ class ModelConfig(BaseModel):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(256, ge=8)
     max_seq_len: int = Field(128, ge=8)
-    n_levels: int = Field(2, ge=1, le=8)
-    modules_per_level: int = Field(2, ge=1, le=64)
+    n_levels: int = Field(2, ge=1, le=MAX_LEVELS)
+    modules_per_level: int = Field(2, ge=1, le=MAX_MODULES_PER_LEVEL)
     blocks_per_module: int = Field(1, ge=1)
     private_blocks_per_path: int = Field(0, ge=0)
     fragment_layout: Literal["strided", "sequential"] = "strided"
 
     @model_validator(mode="after")
-    def _check_heads(self) -> ModelConfig:
+    def _check_shape(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        # K and L are each capped by their fields; their power is what enumerating paths costs
+        if self.n_paths > MAX_PATHS:
+            raise ValueError(
+                f"modules_per_level ** n_levels = {self.modules_per_level}**{self.n_levels} = "
+                f"{self.n_paths} paths exceeds the cap of {MAX_PATHS} paths"
+            )
+        if self.blocks_per_path > MAX_BLOCKS_PER_PATH:
+            raise ValueError(
+                f"n_levels * blocks_per_module + private_blocks_per_path = {self.n_levels} * "
+                f"{self.blocks_per_module} + {self.private_blocks_per_path} = {self.blocks_per_path} "
+                f"blocks per path exceeds the cap of {MAX_BLOCKS_PER_PATH}"
+            )
         return self
 
     @property

@@ -44,11 +44,15 @@ INLINE_ROUTER_BYTES = 16 << 10
 
 
 def parse_grid(text: str) -> tuple[int, int]:
-    """ "LxK" -> (levels, modules per level)."""
+    """ "LxK" -> (levels, modules per level), within the grid caps (peer/model/grid.py)."""
     try:
         levels, k = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--grid {text!r}: expected LxK, e.g. 2x2") from None
+    try:  # the caps are ModelConfig's; checked here so that the message names the flag
+        ModelConfig(n_levels=levels, modules_per_level=k)
+    except ValidationError as e:
+        raise ConfigError(f"--grid {text}: {one_line(e)}") from None
     return levels, k
 
 

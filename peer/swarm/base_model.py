@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from dht.serve_limits import ServeLimits
 from peer.artifacts.ref import MAX_ARTIFACT_BYTES, ArtifactRef
+from peer.artifacts.room import check_room
 from peer.artifacts.store import ArtifactError, ArtifactStore, require_artifact
 from peer.artifacts.transfer import ArtifactService, providers
 from peer.config import PeerConfig, RunManifest
@@ -91,12 +92,28 @@ def obtain_artifact(
     return store.path(ref.sha256)
 
 
+def run_artifacts(manifest: RunManifest) -> list[tuple[str, ArtifactRef]]:
+    """Every artifact the manifest names, with the field that names it."""
+    named = [
+        (field, ref)
+        for field, ref in (
+            ("base_checkpoint", manifest.base_checkpoint),
+            ("tokenizer_file", manifest.tokenizer_file),
+            ("router_file", manifest.router_file),
+        )
+        if ref is not None
+    ]
+    return named + [("dataset.shards", ref) for ref in manifest.dataset.shards]
+
+
 def start_artifact_service(
     dht: hivemind.DHT, key, config: PeerConfig, manifest: RunManifest, run_id: str, limits: ServeLimits
 ) -> tuple[ArtifactService, ModuleStates | None]:
     """A peer's artifact service with the run's base model (returned, loaded), tokenizer and router
     files and data shards in it, each fetched if need be, offered and published."""
     store = ArtifactStore(config.artifacts_dir or default_artifacts_dir(config.checkpoint_dir))
+    # before anything is fetched or even a folder made: the sizes are the signed manifest's claim
+    check_room(store, run_artifacts(manifest))
     service = ArtifactService(dht, store, limits)
     local = [run_folder_store(config.manifest_path)]
     run = (manifest.name, run_id)

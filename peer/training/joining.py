@@ -16,7 +16,7 @@ from peer.artifacts.transfer import ArtifactService
 from peer.config import PeerConfig, RunManifest
 from peer.model.base import ModuleStates
 from peer.run.record import load_verified_manifest
-from peer.swarm.base_model import start_artifact_service
+from peer.swarm.base_model import run_artifacts, start_artifact_service
 from peer.swarm.manifest import creator_of, fetch_manifest, publish_record
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,6 @@ def obtain_artifacts(
 ) -> tuple[ArtifactService | None, ModuleStates | None]:
     """The service that fetched the run's artifacts and serves them from now on (within `limits`), and
     the run's base model; (None, None) for a run whose manifest names no artifact."""
-    m = manifest
-    if not (m.base_checkpoint or m.tokenizer_file or m.router_file or m.dataset.shards):
+    if not run_artifacts(manifest):
         return None, None
-    return start_artifact_service(dht, key, cfg, m, run_id, limits)
+    return start_artifact_service(dht, key, cfg, manifest, run_id, limits)
