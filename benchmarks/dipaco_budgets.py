@@ -269,9 +269,9 @@ def plot_budgets(out, budgets: dict[str, dict], found: dict[str, dict]) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("tokens per parameter (dense same tokens model: the grid's tokens, one path's parameters)")
     ax.set_ylabel("held-out perplexity ratio (below 1: DiPaCo wins)")
-    seeds = next(iter(budgets.values()))["seeds"]
+    seeds = sorted({s for b in budgets.values() for s in b["seeds"]})
     ax.set_title(f"DiPaCo composite against dense baselines by budget (seeds {seeds}: mean, min..max)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper right", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

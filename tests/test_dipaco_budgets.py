@@ -85,3 +85,30 @@ def test_a_crossover_between_budgets_is_measured_and_one_beyond_them_is_an_extra
 def test_a_bad_budget_list_is_refused_naming_the_flag(text):
     with pytest.raises(SystemExit, match="--budgets"):
         parse_budgets(text)
+
+
+def test_sweeps_run_in_parts_combine_into_one_and_a_part_with_other_settings_is_refused(tmp_path):
+    """The H100 sweep ran in two device calls (budgets 0.25, 1, 2.5; then 4): combined, every budget
+    is there in order with its seeds; a part trained with another batch size cannot join them."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from benchmarks.dipaco_combine import combine, main
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "dipaco"
+    parts = [docs / "h100_stdlib", docs / "h100_stdlib_x4"]
+    budgets, found, settings = combine(parts)
+    assert list(budgets) == ["0.25", "1", "2.5", "4"] and settings["batch_size"] == 128
+    assert budgets["1"]["seeds"] == [1, 2] and budgets["4"]["seeds"] == [1]
+    xs = [b["tokens_per_param_same_tokens"] for b in budgets.values()]
+    assert xs == sorted(xs) and found["ratio_same_tokens"]["tokens_per_param"] > xs[-1]
+    assert main(["--out", str(tmp_path / "all"), *map(str, parts)]) == 0
+    assert (tmp_path / "all" / "dipaco_budgets.png").stat().st_size > 10_000
+    odd = tmp_path / "odd"
+    shutil.copytree(parts[1], odd)
+    runs = json.loads((odd / "dipaco_runs.json").read_text())
+    runs["4"][0]["batch_size"] = 16
+    (odd / "dipaco_runs.json").write_text(json.dumps(runs))
+    with pytest.raises(SystemExit, match="batch_size"):
+        combine([parts[0], odd])
