@@ -102,11 +102,12 @@ CODEC_SPECS: dict[str, CodecSpec] = {
         # which error feedback sends later
         CodecSpec("sparse", 4, 256, 2, 0.976, topk=5, error_feedback=True),
         # SparseLoCo's recipe as Covenant-72B ran it: 64 of every 4096 values (1/64), 2 bits each,
-        # 12-bit indices; with its 4-bit chunk scale code 0.2197 bits per number, 1/146 of fp32
-        ChunkSparseSpec("sparse2bit", 2, 4096, 0, 0.999, topk=64, error_feedback=True),
+        # 12-bit indices; with its 4-bit chunk scale codes 0.2197 bits per number, 1/145.6 of fp32.
+        # One sync drops 88% of a Gaussian's energy (error 0.94, measured max 0.945)
+        ChunkSparseSpec("sparse2bit", 2, 4096, 0, 0.992, topk=64, error_feedback=True),
         # MuLoCo's 2-bit dense outer gradients: 4 levels per block of 128 with a bf16 scale (2.125
-        # bits, 1/15 of fp32); what rounding leaves out is error feedback
-        CodecSpec("dense2bit", 2, 128, 2, 0.999, error_feedback=True),
+        # bits, 1/15 of fp32); what rounding leaves out is error feedback (measured max 0.356)
+        CodecSpec("dense2bit", 2, 128, 2, 0.374, error_feedback=True),
     )
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_SPECS)
