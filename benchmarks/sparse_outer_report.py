@@ -14,7 +14,9 @@ def _mean_curve(run: dict) -> list[tuple[int, float, float]]:
     for rnd in rounds:
         points = [next(p for p in c if p["round"] == rnd) for c in curves]
         n = len(points)
-        out.append((rnd, sum(p["payload_bytes_per_peer"] for p in points) / n, sum(p["loss"] for p in points) / n))
+        out.append(
+            (rnd, sum(p["payload_bytes_per_peer"] for p in points) / n, sum(p["loss"] for p in points) / n)
+        )
     return out
 
 
@@ -41,7 +43,7 @@ def write_report(out: Path, report: dict) -> str:
     for name, t in report.get("tuning", {}).items():
         tried = ", ".join(
             f"lr {c['lr']:g} m {c['momentum']:g}" + ("" if c["density"] is None else f" d {c['density']:.4g}")
-            + f": {c['validation_loss']:.4f}"
+            + f": {c['validation_loss']:.4f}" + ("" if c.get("eligible", True) else " (over the byte budget)")
             for c in t["candidates"]
         )  # fmt: skip
         lines.append(f"\n{name} tuned (validation loss): {tried}; picked {t['picked']}")

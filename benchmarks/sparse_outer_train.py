@@ -32,10 +32,8 @@ def is_validation(text: str) -> bool:
 
 def lab_flags(args: argparse.Namespace) -> list[str]:
     """The WAN lab's model and schedule flags this benchmark passes on (`benchmarks.wan.driver`)."""
-    return [
-        "--steps", str(args.steps), "--inner_steps", str(args.inner_steps), "--fragments", str(args.fragments),
-        "--d_model", str(args.d_model), "--blocks", str(args.blocks),
-    ]  # fmt: skip
+    flags = ("steps", "inner_steps", "fragments", "d_model", "blocks")
+    return [x for f in flags for x in (f"--{f}", str(getattr(args, f)))]
 
 
 def make_run_codec(run: dict):
@@ -98,8 +96,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         global_copy = {k: v for ms in syncs[0].values() for k, v in ms.named_state().items()}
         return report.eval_loss(m, global_copy, "global", docs)
 
+    started, cpu_started = time.monotonic(), time.process_time()
     curve = [dict(round=0, payload_bytes_per_peer=0, loss=loss_now())] if score_on == "eval" else []
-    started = time.monotonic()
     for clock in range(1, args.steps + 1):
         for loop in loops:
             loop.step()
@@ -126,7 +124,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     return dict(
         loss=loss, scored_on=score_on, curve=curve, payload_bytes_per_peer=sent // args.peers,
         wire_bits_per_value_per_round=8 * sent / args.peers / rounds / values, values=values,
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - started, cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
 
 

@@ -286,12 +286,14 @@ class ChunkSparse2BitCodec(Codec):
     def __init__(self, spec: CodecSpec | None = None):
         # a benchmark may vary the density (`topk`); peers of a run use the table's spec
         self.spec = spec or CODEC_SPECS["sparse2bit"]
-        if (self.spec.index_bits, self.spec.chunk_code_bits, self.spec.bits) != (12, 4, 2) or self.spec.block > 4096:
+        layout = (self.spec.index_bits, self.spec.chunk_code_bits, self.spec.bits)
+        if layout != (12, 4, 2) or self.spec.block > 4096:
             raise ValueError(f"{self.spec.name}: this layout packs 12-bit indices, 4-bit codes, 2-bit values")
 
     def _chunk_topk(self, numel: int) -> list[int]:
-        full, rest = divmod(numel, self.spec.block)
-        return [self.spec.topk] * full + ([math.ceil(rest * self.spec.topk / self.spec.block)] if rest else [])
+        spec = self.spec
+        full, rest = divmod(numel, spec.block)
+        return [spec.topk] * full + ([math.ceil(rest * spec.topk / spec.block)] if rest else [])
 
     def encode(self, x: torch.Tensor) -> bytes:
         spec = self.spec
