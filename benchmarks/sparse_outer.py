@@ -73,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=800, help="inner steps of every replica (a multiple of H)")
     p.add_argument("--inner_steps", type=int, default=8, help="H")
     p.add_argument("--fragments", type=int, default=4, help="P of the streaming runs")
-    p.add_argument("--overlap_steps", type=int, default=1, help="τ of the streaming runs (below H/P)")
+    p.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=None,
+        help="τ of the streaming runs, below H/P (default: 1 where H/P > 1)",
+    )
     p.add_argument("--d_model", type=int, default=64, help="the lab model's width (the lab's own: 256)")
     p.add_argument("--blocks", type=int, default=4, help="blocks of the lab's one module")
     p.add_argument("--error_feedback_decay", type=float, default=0.95)
@@ -104,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tune_steps = args.tune_steps or args.steps
     if args.steps % args.inner_steps or args.tune_steps % args.inner_steps or args.blocks % args.fragments:
         p.error("--steps and --tune_steps must be multiples of --inner_steps, --blocks of --fragments")
+    if args.overlap_steps is None:
+        args.overlap_steps = min(1, args.inner_steps // args.fragments - 1)
     if not 0 <= args.overlap_steps < args.inner_steps // args.fragments:
         p.error(f"--overlap_steps must be below H/P = {args.inner_steps // args.fragments}")
     return args
