@@ -1,194 +1,223 @@
-"""The sparse codec's outer step, measured: `python -m benchmarks.sparse_outer --out DIR`.
+"""Compressed outer gradients over many rounds: `python -m benchmarks.sparse_outer --out DIR`.
 
-The WAN lab's model, data, schedule and peers (4 replicas of its one path, H = 48, P = 4, τ = 11,
-192 steps) trained in one process without the network, so that only the outer step differs between
-runs: the project's own inner loop (`peer.offline.simulate.InnerLoop`), fragment schedule
-(`peer.sync.fragments`), codecs, error feedback (`ModuleSync.corrected_outer_gradient` /
-`settle_feedback`), robust
-aggregator (`peer.sync.aggregate`, centered clip) and outer step (`ModuleSync.apply`). Every member
-of a fragment round encodes its Δ, the group aggregates the decoded parts, τ steps later every member
-applies the result: what `peer.sync.outer` does, minus the wire.
+The WAN lab's model and data (`benchmarks.wan`; by default a smaller model, d_model 64, and H = 8
+so that 100 outer rounds fit a CPU) trained by 4 replicas in one process with the project's own
+inner loop, codecs, error feedback, aggregator and outer step (`benchmarks.sparse_outer_train`), so
+that only the outer gradient's code and the outer step differ between runs:
 
-Why: with DiLoCo's outer step (lr 0.7, Nesterov 0.9, α = 0.5) the sparse codec's global copy ended
-at 1.27x DiLoCo's eval loss in the lab. A group's mean of members' top-k parts moves a coordinate by
-the share of the members that picked it (about 1/n where their choices differ), so the outer lr that
-suits a dense Δ̄ is too small for a sparse one; SparseLoCo (Templar, 2025) also drops outer momentum
-(error feedback accumulates instead) and replaces the local copy with the global one. This sweeps
-the outer lr of that shape against DiLoCo and the dense nf4 stream, and the lab takes its setting
-from it. Loss is deterministic for a seed (one thread per run); runs go two at a time.
+* `diloco_fp32` — DiLoCo (fp32, P = 1, τ = 0, outer lr 0.7, Nesterov 0.9): the reference;
+* `streaming_nf4` — Streaming DiLoCo with the nf4 codec, α = 0.5, DiLoCo's outer step;
+* `sparse` — today's sparse codec (2%, 4-bit values, 1-byte indices), SparseLoCo's outer step: no
+  momentum (error feedback accumulates in its place), α = 0, a larger lr;
+* `sparse2bit` — SparseLoCo's recipe as Covenant-72B ran it (1/64 of each chunk of 4096, 2-bit
+  values, 12-bit indices), same outer step; `sparse2bit_nesterov` the same codec under DiLoCo's
+  momentum, to see what momentum does with error feedback;
+* `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0.
+
+Per run and seed (`--seeds`: each changes the initial weights and every replica's batch order) the
+eval loss of replica 0's global copy on the run's eval documents, a curve of it every `--eval_every`
+rounds, and the payload bytes each peer sent (the codecs' real payloads). `sparse_outer.json`:
+`runs.<run>.{bytes_ratio, eval_loss_ratio, rounds, seeds}` — DiLoCo's bytes / the run's, and the
+run's eval loss / DiLoCo's (mean over seeds of the per-seed ratio); `sparse_outer.png`: loss against
+rounds and against bytes sent.
+
+`--tune` first picks each tunable run's outer lr (and sparse2bit's density, dense_2bit's momentum)
+on a validation split (held-out training documents, never the eval documents nor trained on) at
+`--tune_seed`, records every candidate's loss and the pick, and then runs the picks at `--seeds`.
+Density is picked among those within the codec's byte budget (at most the table's 1/64; denser ones
+are tried and recorded as the trade-off, since more bytes always lose less).
+Without it, the runs use the settings below as given (the earlier 4-round sweep's lr 8 for sparse).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from fractions import Fraction
 from pathlib import Path
+
+from benchmarks.sparse_outer_report import write_report
+from benchmarks.sparse_outer_train import train
 
 RUNS: dict[str, dict] = {
     "diloco_fp32": dict(codec="fp32", fragments=1, tau=0, alpha=0.0, lr=0.7, momentum=0.9),
     "streaming_nf4": dict(codec="nf4", alpha=0.5, lr=0.7, momentum=0.9),
-    "sparse, DiLoCo's outer step": dict(codec="sparse", alpha=0.5, lr=0.7, momentum=0.9),
+    "sparse": dict(codec="sparse", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr",)),
+    "sparse2bit": dict(codec="sparse2bit", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr", "density")),
+    "sparse2bit_nesterov": dict(codec="sparse2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
+    "dense_2bit": dict(codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum")),
 }
+REFERENCE = "diloco_fp32"
+#: what runs without --runs: sparse2bit_nesterov only on request (it costs two more runs)
+DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(Fraction(x.strip())) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sparse_outer", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--lrs", default="2,4,8,16", help="outer lrs of sparse without momentum, α = 0")
+    p.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help=f"comma-separated, of {list(RUNS)} ({REFERENCE} always)",
+    )
+    p.add_argument("--seeds", default="1,2", help="initial weights and batch orders, one set of runs each")
     p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=192)
-    p.add_argument("--inner_steps", type=int, default=48)
-    p.add_argument("--fragments", type=int, default=4)
-    p.add_argument("--overlap_steps", type=int, default=11)
+    p.add_argument("--steps", type=int, default=800, help="inner steps of every replica (a multiple of H)")
+    p.add_argument("--inner_steps", type=int, default=8, help="H")
+    p.add_argument("--fragments", type=int, default=4, help="P of the streaming runs")
+    p.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=None,
+        help="τ of the streaming runs, below H/P (default: 1 where H/P > 1)",
+    )
+    p.add_argument("--d_model", type=int, default=64, help="the lab model's width (the lab's own: 256)")
+    p.add_argument("--blocks", type=int, default=4, help="blocks of the lab's one module")
     p.add_argument("--error_feedback_decay", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=1000, help="of the replicas' batch orders")
+    p.add_argument("--eval_docs", type=int, default=100, help="eval (and validation) documents scored")
+    p.add_argument("--eval_every", type=int, default=20, help="rounds between points of the loss curve")
+    p.add_argument("--tune", action="store_true", help="pick lr / momentum / density on the validation split")
+    p.add_argument("--tune_seed", type=int, default=0)
+    p.add_argument("--tune_steps", type=int, default=None, help="steps of a tuning run (default: --steps)")
+    p.add_argument("--tune_lr_factors", default="0.5,1,2", help="× each tunable run's lr")
+    p.add_argument("--tune_momenta", default="0,0.9")
+    p.add_argument("--tune_densities", default="1/128,1/64,1/32", help="sparse2bit's kept share per chunk")
     p.add_argument("--workers", type=int, default=2)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = set(args.runs) - set(RUNS)
+    if unknown:
+        p.error(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
+    if REFERENCE not in args.runs:
+        args.runs.insert(0, REFERENCE)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.tune_lr_factors, args.tune_momenta = _floats(args.tune_lr_factors), _floats(args.tune_momenta)
+        args.tune_densities = _floats(args.tune_densities)
+    except ValueError as e:
+        p.error(f"--seeds / --tune_*: not a comma-separated list of numbers ({e})")
+    if not args.seeds:
+        p.error("--seeds: give at least one seed")
+    args.tune_steps = args.tune_steps or args.steps
+    if args.steps % args.inner_steps or args.tune_steps % args.inner_steps or args.blocks % args.fragments:
+        p.error("--steps and --tune_steps must be multiples of --inner_steps, --blocks of --fragments")
+    if args.overlap_steps is None:
+        args.overlap_steps = min(1, args.inner_steps // args.fragments - 1)
+    if not 0 <= args.overlap_steps < args.inner_steps // args.fragments:
+        p.error(f"--overlap_steps must be below H/P = {args.inner_steps // args.fragments}")
+    return args
 
 
-def train(run: dict, args: argparse.Namespace) -> dict:
-    """One run: `peers` replicas, their fragment rounds aggregated in process; eval of replica 0."""
-    import torch
-
-    from benchmarks.wan import report
-    from benchmarks.wan.driver import LabTraining
-    from peer.codecs.formats import make_codec
-    from peer.config import OuterOptimizerConfig
-    from peer.data.sources import eval_documents
-    from peer.sync.fragments import fragments_due
-    from peer.sync.module_sync import ModuleSync
-
-    torch.set_num_threads(1)
-    lab = LabTraining.load("--steps", str(args.steps), "--inner_steps", str(args.inner_steps))
-    m = run["momentum"]
-    outer = OuterOptimizerConfig(lr=run["lr"], momentum=m, nesterov=m > 0)
-    P, tau = run.get("fragments", args.fragments), run.get("tau", args.overlap_steps)
-    loops = [lab.replica(args.seed + i, args.steps) for i in range(args.peers)]
-    syncs = [
-        {
-            mid: ModuleSync(lab.manifest.model, mid, part, outer, n_fragments=P)
-            for mid, part in loop.model.parts.items()
-        }
-        for loop in loops
+def candidates(run: dict, args: argparse.Namespace) -> list[dict]:
+    """The settings `--tune` tries for a run: its lr times each factor, × the other tuned knobs."""
+    knobs = run.get("tune", ())
+    lrs = [run["lr"] * f for f in args.tune_lr_factors] if "lr" in knobs else [run["lr"]]
+    momenta = args.tune_momenta if "momentum" in knobs else [run["momentum"]]
+    densities = args.tune_densities if "density" in knobs else [run.get("density")]
+    return [
+        {**run, "lr": lr, "momentum": m, "density": d}
+        for lr, m, d in itertools.product(lrs, momenta, densities)
     ]
-    codec = make_codec(run["codec"])
-    pending: list[tuple[int, int, dict]] = []
-    sent = 0
-    started = time.monotonic()
-    for clock in range(1, args.steps + 1):
-        for loop in loops:
-            loop.step()
-        for fragment in fragments_due(clock, args.inner_steps, P):
-            parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
-            for mid, decoded in parts.items():
-                for s in syncs:
-                    payload, part = _send(s[mid], fragment, codec, args.error_feedback_decay)
-                    sent += len(payload)
-                    decoded.append(part)
-            pending.append((clock + tau, fragment, parts))
-        for item in [p for p in pending if p[0] <= clock]:
-            pending.remove(item)
-            _finish(syncs, item[1], item[2], run["alpha"])
-    for item in pending:
-        _finish(syncs, item[1], item[2], run["alpha"])
-
-    eval_docs = eval_documents(lab.manifest.dataset, limit=100)
-    global_copy = {k: v for ms in syncs[0].values() for k, v in ms.named_state().items()}
-    local = {f"local/{name}": p.detach() for name, p in loops[0].model.named_parameters()}
-    return run | dict(
-        fragments=P, tau=tau, eval_loss=report.eval_loss(lab.manifest, global_copy, "global", eval_docs),
-        eval_loss_local_model=report.eval_loss(lab.manifest, local, "local", eval_docs),
-        payload_bytes_per_peer=sent // args.peers, seconds=time.monotonic() - started,
-    )  # fmt: skip
 
 
-def _send(ms, fragment: int, codec, decay: float):
-    """What a member puts on the wire for a fragment round, and what the others decode from it; a
-    sparse codec's unsent rest stays as error feedback (as `peer.sync.outer` does before sending)."""
-    delta = ms.corrected_outer_gradient(fragment, codec, decay)
-    payload = codec.encode(delta)
-    decoded = codec.decode(payload, delta.numel()).view_as(delta)
-    if codec.spec.error_feedback:
-        ms.settle_feedback(fragment, delta, decoded)
-    return payload, decoded.numpy()
+def _settings(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k != "tune"}
 
 
-def _finish(syncs: list[dict], fragment: int, parts: dict, alpha: float) -> None:
-    """The group's aggregate of every module's decoded parts, applied by every member."""
-    import torch
-
-    from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
-
-    for mid, decoded in parts.items():
-        mean = aggregate([Contribution(f"p{i}", d, 1.0) for i, d in enumerate(decoded)], AggregatorConfig())
-        for s in syncs:
-            s[mid].apply(fragment, torch.from_numpy(mean), alpha)
-
-
-def write_report(out: Path, report: dict) -> str:
-    runs, ref = report["runs"], report["runs"]["diloco_fp32"]["eval_loss"]
-    lines = [
-        f"{report['peers']} replicas, {report['steps']} steps, H = {report['inner_steps']}, "
-        f"P = {report['fragments']}, τ = {report['overlap_steps']} (diloco_fp32: P = 1, τ = 0), "
-        f"error feedback decay {report['error_feedback_decay']}; eval loss of replica 0's global copy",
-        "",
-        "| run | codec | outer lr | momentum | α | eval loss | × diloco_fp32 | local model "
-        "| payload / peer |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in runs.items():
-        lines.append(
-            f"| {name} | {r['codec']} | {r['lr']:g} | {r['momentum']:g} | {r['alpha']:g} "
-            f"| {r['eval_loss']:.4f} "
-            f"| {r['eval_loss'] / ref:.3f} | {r['eval_loss_local_model']:.4f} "
-            f"| {r['payload_bytes_per_peer'] / 1e3:,.0f} kB |"
+def tune(pool, runs: dict[str, dict], args: argparse.Namespace) -> dict[str, dict]:
+    """Every tunable run's candidates at the tune seed, scored on the validation split."""
+    short = argparse.Namespace(**{**vars(args), "steps": args.tune_steps})
+    futures = {
+        name: [
+            (c, pool.submit(train, _settings(c), short, args.tune_seed, "validation"))
+            for c in candidates(r, args)
+        ]
+        for name, r in runs.items()
+        if r.get("tune")
+    }
+    out = {}
+    for name, tried in futures.items():
+        scored = [
+            dict(_settings(c), validation_loss=f.result()["loss"], eligible=_within_budget(c))
+            for c, f in tried
+        ]
+        best = min((c for c in scored if c["eligible"]), key=lambda c: c["validation_loss"])
+        out[name] = dict(picked={k: best[k] for k in ("lr", "momentum", "density")}, candidates=scored)
+        print(
+            f"tuned {name}: {out[name]['picked']} (validation loss {best['validation_loss']:.4f})",
+            file=sys.stderr,
         )
-    text = "\n".join(lines) + "\n"
-    (out / "sparse_outer.md").write_text(text)
+    return out
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _within_budget(run: dict) -> bool:
+    """A denser code always loses less, so density is picked within the codec's own byte budget (the
+    table's density, what a swarm runs); denser candidates are tried and recorded, not picked."""
+    from peer.codecs.specs import CODEC_SPECS
 
-    sweep = sorted((r["lr"], r["eval_loss"]) for n, r in runs.items() if n.startswith("sparse, lr"))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([x for x, _ in sweep], [y for _, y in sweep], marker="o", label="sparse, no momentum, α = 0")
-    for name, style in (
-        ("diloco_fp32", "k--"),
-        ("streaming_nf4", "g:"),
-        ("sparse, DiLoCo's outer step", "r-."),
-    ):
-        ax.axhline(runs[name]["eval_loss"], linestyle=style[1:], color=style[0], label=name)
-    ax.axhline(1.02 * ref, color="grey", linewidth=0.8, label="1.02 × diloco_fp32")
-    ax.set(xscale="log", xlabel="outer lr", ylabel="eval loss (global copy)", title="sparse codec: outer lr")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "sparse_outer.png", dpi=120)
-    plt.close(fig)
-    return text
+    spec = CODEC_SPECS[run["codec"]]
+    return run.get("density") is None or run["density"] <= spec.topk / spec.block + 1e-12
+
+
+def summarise(runs: dict[str, dict], results: dict[str, dict], args: argparse.Namespace) -> dict:
+    """Per run: the JSON's ratios against DiLoCo, seed by seed and their mean."""
+    ref = results[REFERENCE]
+    out = {}
+    for name, run in runs.items():
+        per_seed = results[name]
+        ratios = [per_seed[s]["loss"] / ref[s]["loss"] for s in per_seed]
+        sent = [per_seed[s]["payload_bytes_per_peer"] for s in per_seed]
+        ref_sent = [ref[s]["payload_bytes_per_peer"] for s in per_seed]
+        out[name] = dict(
+            _settings(run),
+            rounds=args.steps // args.inner_steps,
+            seeds=list(args.seeds),
+            eval_loss=sum(r["loss"] for r in per_seed.values()) / len(per_seed),
+            eval_loss_ratio=sum(ratios) / len(ratios),
+            eval_loss_ratio_per_seed=ratios,
+            bytes_ratio=sum(ref_sent) / sum(sent),
+            payload_bytes_per_peer=sum(sent) / len(sent),
+            wire_bits_per_value_per_round=next(iter(per_seed.values()))["wire_bits_per_value_per_round"],
+            per_seed={str(s): r for s, r in per_seed.items()},
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tqdm import tqdm
-
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = dict(RUNS)
-    for lr in (float(x) for x in args.lrs.split(",") if x.strip()):
-        runs[f"sparse, lr {lr:g}"] = dict(codec="sparse", alpha=0.0, lr=lr, momentum=0.0)
+    runs = {name: dict(RUNS[name]) for name in args.runs}
     started = time.monotonic()
-    results: dict[str, dict] = {}
+    tuning: dict[str, dict] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        futures = {name: pool.submit(train, run, args) for name, run in runs.items()}
-        for name, future in tqdm(futures.items(), desc="runs", file=sys.stderr):
-            results[name] = future.result()
+        if args.tune:
+            tuning = tune(pool, runs, args)
+            for name, t in tuning.items():
+                runs[name].update(t["picked"])
+        futures = {
+            (name, seed): pool.submit(train, _settings(run), args, seed, "eval")
+            for name, run in runs.items()
+            for seed in args.seeds
+        }
+        results: dict[str, dict] = {name: {} for name in runs}
+        for (name, seed), future in futures.items():
+            results[name][seed] = r = future.result()
+            print(
+                f"{name} seed {seed}: eval loss {r['loss']:.4f}, {r['cpu_seconds']:.0f} s CPU",
+                file=sys.stderr,
+            )
     given = argv if argv is not None else sys.argv[1:]
     report = dict(
-        vars(args) | dict(out=str(args.out)), runs=results, wall_seconds=time.monotonic() - started,
+        {k: v for k, v in vars(args).items() if k != "out"}, out=str(args.out), tuned=bool(args.tune),
+        tuning=tuning, runs=summarise(runs, results, args), wall_seconds=time.monotonic() - started,
         command=" ".join(["python -m benchmarks.sparse_outer", *given]),
     )  # fmt: skip
     (args.out / "sparse_outer.json").write_text(json.dumps(report, indent=1))

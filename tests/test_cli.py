@@ -126,7 +126,10 @@ def test_run_create_sets_the_outer_step_and_warns_of_a_sparse_codec_under_diloco
     m, warned = manifest(codec="sparse")
     assert (m.outer.lr, m.outer.momentum, m.outer.nesterov) == (0.7, 0.9, True)
     assert len(warned) == 1 and "--outer_momentum 0 --mixing_alpha 0" in warned[0]
+    m, warned = manifest(codec="sparse2bit")
+    assert m.sync.codec == "sparse2bit" and len(warned) == 1
     assert not manifest(codec="nf4")[1]
+    assert not manifest(codec="dense2bit")[1]  # dense: every coordinate moves, DiLoCo's step suits it
 
 
 def test_a_manifest_with_overlap_not_below_h_over_p_is_refused():

@@ -250,21 +250,22 @@ def test_sparse_codec_refuses_reordered_indices_and_negative_scales():
 
 @pytest.mark.timeout(120)
 @pytest.mark.swarm
-def test_sparse_error_feedback_loses_nothing_and_keeps_copies_identical(dht_factory):
-    """Two holders sync one module with the sparse codec for a few rounds (plain mean, outer SGD lr
-    1, error decay 1). Whatever of a holder's outer gradients was not sent is still in its error
+@pytest.mark.parametrize("codec", ["sparse", "sparse2bit", "dense2bit"])
+def test_error_feedback_loses_nothing_and_keeps_copies_identical(dht_factory, codec):
+    """Two holders sync one module with an error feedback codec for a few rounds (plain mean, outer
+    SGD lr 1, error decay 1). Whatever of a holder's outer gradients was not sent is still in its error
     buffer: θ̄₀ − θ̄_T = mean over holders of (Σ Δ − e_T), and both copies are the same bits."""
     h, rounds = 4, 3
     base = PathModel(CFG, (0, 0), seed=6)
     outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
-    sync = SyncConfig(inner_steps=h, codec="sparse", error_feedback_decay=1.0, aggregator="mean")
+    sync = SyncConfig(inner_steps=h, codec=codec, error_feedback_decay=1.0, aggregator="mean")
     manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
     models = [copy.deepcopy(base) for _ in range(2)]
     syncs = [ModuleSync(CFG, "l0m0", m.parts["l0m0"], outer, 1) for m in models]
     start = syncs[0].global_flats[0].clone()
     numel = syncs[0].fragment_size(0)
     raw = [torch.zeros(numel, dtype=torch.float64) for _ in models]
-    with sync_group(dht_factory, 2, numel, codec="sparse") as members:
+    with sync_group(dht_factory, 2, numel, codec=codec) as members:
         holders = {"l0m0": [m.peer_id for m in members]}
         loops = []
         for m, ms in zip(members, syncs, strict=True):

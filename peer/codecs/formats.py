@@ -13,6 +13,8 @@ else.
 | nf4 | 4 | NormalFloat4 levels (bitsandbytes' table), block 64, bf16 absmax |
 | e3m0 | 4 | sign + 3-bit exponent (Streaming DiLoCo's format), block 64, bf16 absmax |
 | sparse | 4 | top 5 of every 256 values (2%), 1-byte indices, sign + 3-bit magnitude, bf16 scale |
+| sparse2bit | 2 | top 64 of every 4096 (1/64), 12-bit indices, sign + 1-bit magnitude, 4-bit chunk scale |
+| dense2bit | 2 | every value, 4 levels (Lloyd-Max for a Gaussian) times a bf16 RMS per block of 128 |
 
 4-bit blocks keep their absmax in bfloat16: fp32's range (outer gradients can be tiny) in 2 bytes,
 so a number costs 0.53 bytes (7.5x smaller than fp32); its 0.4% rounding is far below the 4-bit
@@ -234,6 +236,163 @@ class Blockwise8BitCodec(Codec):
         return out.float().reshape(-1)
 
 
+def _pack_crumbs(codes: torch.Tensor) -> bytes:
+    """2-bit codes, four to a byte, first in the high bits; the last byte padded with zeros."""
+    codes = codes.reshape(-1).to(torch.uint8)
+    codes = torch.cat([codes, codes.new_zeros(-codes.numel() % 4)]).view(-1, 4)
+    return ((codes[:, 0] << 6) | (codes[:, 1] << 4) | (codes[:, 2] << 2) | codes[:, 3]).numpy().tobytes()
+
+
+def _unpack_crumbs(data: bytes, n: int) -> torch.Tensor:
+    packed = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+    out = torch.stack([(packed >> s) & 3 for s in (6, 4, 2, 0)], dim=1)
+    return out.reshape(-1)[:n].long()
+
+
+def _pack_12bit(values: torch.Tensor) -> bytes:
+    """12-bit numbers, two to three bytes, high bits first: ceil(12·n/8) bytes (an odd count's last
+    number takes a byte and a half, the half padded with zeros)."""
+    v = values.reshape(-1).to(torch.int32)
+    n = v.numel()
+    v = torch.cat([v, v.new_zeros(n % 2)]).view(-1, 2)
+    a, b = v[:, 0], v[:, 1]
+    out = torch.stack([a >> 4, ((a & 15) << 4) | (b >> 8), b & 255], dim=1)
+    return out.to(torch.uint8).numpy().tobytes()[: math.ceil(12 * n / 8)]
+
+
+def _unpack_12bit(data: bytes, n: int) -> torch.Tensor:
+    data = data + bytes(-len(data) % 3)
+    t = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).long().view(-1, 3)
+    a, b = (t[:, 0] << 4) | (t[:, 1] >> 4), ((t[:, 1] & 15) << 8) | t[:, 2]
+    return torch.stack([a, b], dim=1).reshape(-1)[:n]
+
+
+class ChunkSparse2BitCodec(Codec):
+    """SparseLoCo's recipe (Covenant-72B: 1/64 density, 2-bit values, 12-bit indices), our layout.
+
+    Per chunk of 4096 values the 64 largest by magnitude (a partial last chunk of m values: the
+    ceil(m/64) largest). Scales: one bf16 reference r per payload (the largest kept magnitude) and per
+    chunk a 4-bit code q, its scale s = r·2^-q (q = 15: the chunk is sent as zeros and all of it stays
+    in the error feedback); the encoder picks the q of least squared error. A bf16 scale per chunk
+    would cost 16 bits, 0.223 bits per number in all; the code costs 4. Each value: a sign bit and a
+    magnitude bit, s·0.4 or s (a ratio of 2.5 between the levels: measured on the top 1/64 of chunks,
+    1.5 suits Gaussian data best and 4 heavy-tailed Student-t, 2.5 is within 0.1 of the best of both).
+    Layout: r, the chunk codes (nibbles), the indices (12 bits each, strictly increasing in a chunk,
+    so every set has one encoding), the value codes (2 bits each), each part packed whole."""
+
+    LEVELS = (0.4, 1.0)
+    ZERO_CHUNK = 15
+
+    def __init__(self, spec: CodecSpec | None = None):
+        # a benchmark may vary the density (`topk`); peers of a run use the table's spec
+        self.spec = spec or CODEC_SPECS["sparse2bit"]
+        layout = (self.spec.index_bits, self.spec.chunk_code_bits, self.spec.bits)
+        if layout != (12, 4, 2) or self.spec.block > 4096:
+            raise ValueError(f"{self.spec.name}: this layout packs 12-bit indices, 4-bit codes, 2-bit values")
+
+    def _chunk_topk(self, numel: int) -> list[int]:
+        spec = self.spec
+        full, rest = divmod(numel, spec.block)
+        return [spec.topk] * full + ([math.ceil(rest * spec.topk / spec.block)] if rest else [])
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        spec = self.spec
+        blocks, n = _blocks(x, spec.block)
+        if n == 0:
+            return b""
+        ks = torch.tensor(self._chunk_topk(n))
+        magnitude = blocks.abs()
+        magnitude.view(-1)[n:] = -1.0  # padding is never picked: a partial chunk keeps <= its size
+        top = magnitude.topk(min(spec.topk, spec.block), dim=1).indices  # largest first
+        kept = torch.arange(top.shape[1]) < ks[:, None]  # a partial chunk keeps its first ks
+        idx = torch.where(kept, top, spec.block).sort(dim=1).values  # kept ones first, ascending
+        vals = blocks.gather(1, idx.clamp(max=spec.block - 1)) * kept
+        r = _bf16_from(_bf16_bytes(vals.abs().max().reshape(1)))
+        q = self._best_codes(vals.abs(), kept, r)
+        scales = torch.where(q == self.ZERO_CHUNK, torch.zeros(()), r * torch.pow(2.0, -q.float()))
+        lo, hi = self.LEVELS
+        codes = (vals < 0).long() * 2 + (vals.abs() > scales[:, None] * (lo + hi) / 2).long()
+        return _bf16_bytes(r) + _pack_nibbles(q.long()) + _pack_12bit(idx[kept]) + _pack_crumbs(codes[kept])
+
+    def _best_codes(self, magnitude: torch.Tensor, kept: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """Per chunk the scale code of least squared error over its kept values, among r·2^-q for
+        q < 15 and sending zeros (15), which it never exceeds: a chunk is never sent worse than not
+        at all, whatever the spread of its values."""
+        lo, hi = self.LEVELS
+        best_q = torch.full((magnitude.shape[0],), self.ZERO_CHUNK, dtype=torch.long)
+        best = magnitude.square().sum(1)
+        for q in range(self.ZERO_CHUNK):
+            s = r * 2.0**-q
+            sent = torch.where(magnitude > s * (lo + hi) / 2, hi, lo) * s
+            sse = ((sent - magnitude).square() * kept).sum(1)
+            best_q = torch.where(sse < best, q, best_q)
+            best = torch.minimum(sse, best)
+        return best_q
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        self._check(data, numel)
+        spec = self.spec
+        if numel == 0:
+            return torch.zeros(0)
+        ks = self._chunk_topk(numel)
+        n_chunks, kept = len(ks), sum(ks)
+        r = _bf16_from(data[:2])
+        if not torch.isfinite(r).all() or bool((r < 0).any()):
+            raise CodecError("sparse2bit: the payload's scale is negative or not finite")
+        at = 2
+        size = math.ceil(n_chunks * spec.chunk_code_bits / 8)
+        q = _unpack_nibbles(data[at : at + size], n_chunks)
+        at += size
+        size = math.ceil(kept * spec.index_bits / 8)
+        idx = _unpack_12bit(data[at : at + size], kept)
+        codes = _unpack_crumbs(data[at + size :], kept)
+        lengths = torch.tensor(ks)
+        chunk_of = torch.repeat_interleave(torch.arange(n_chunks), lengths)
+        sizes = torch.clamp(numel - torch.arange(n_chunks) * spec.block, max=spec.block)
+        if bool((idx >= sizes[chunk_of]).any()):
+            raise CodecError("sparse2bit: an index lies beyond its chunk")
+        same_chunk = chunk_of[1:] == chunk_of[:-1]
+        if bool((same_chunk & (idx[1:] <= idx[:-1])).any()):
+            raise CodecError("sparse2bit: indices in a chunk must be strictly increasing")
+        scales = torch.where(q == self.ZERO_CHUNK, torch.zeros(()), r * torch.pow(2.0, -q.float()))
+        levels = torch.tensor(self.LEVELS)[codes & 1] * torch.where(codes >= 2, -1.0, 1.0)
+        out = torch.zeros(numel)
+        out[chunk_of * spec.block + idx] = levels * scales[chunk_of]
+        return out
+
+
+class Dense2BitCodec(Codec):
+    """MuLoCo's 2-bit dense outer gradient, our format: per block of 128 values a bf16 scale, their
+    root mean square, and per value one of the 4 Lloyd-Max levels of a unit Gaussian (±0.4528,
+    ±1.5104) times it. The RMS, not the absmax, sets the scale: with 4 levels an absmax scale would
+    spend them on a block's one outlier. Clipped tails and rounding are the sender's error feedback.
+    Layout: all scales, then 4 codes per byte."""
+
+    spec = CODEC_SPECS["dense2bit"]
+    LEVELS = torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104])
+    THRESHOLDS = torch.tensor([-0.9816, 0.0, 0.9816])
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        blocks, n = _blocks(x, self.spec.block)
+        if n == 0:
+            return b""
+        counts = torch.clamp(n - torch.arange(blocks.shape[0]) * self.spec.block, max=self.spec.block)
+        rms = (blocks.double().square().sum(1) / counts).sqrt().float()  # padding is not a value
+        scales = _bf16_from(_bf16_bytes(rms))
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.bucketize((blocks / safe[:, None]).reshape(-1)[:n], self.THRESHOLDS)
+        return _bf16_bytes(scales) + _pack_crumbs(codes)
+
+    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+        self._check(data, numel)
+        n_blocks = math.ceil(numel / self.spec.block)
+        scales = _bf16_from(data[: 2 * n_blocks])
+        if not torch.isfinite(scales).all() or bool((scales < 0).any()):
+            raise CodecError("dense2bit: a block scale is negative or not finite")
+        codes = _unpack_crumbs(data[2 * n_blocks :], numel)
+        return self.LEVELS[codes] * scales.repeat_interleave(self.spec.block)[:numel]
+
+
 #: codec name -> the class that implements it (sizes and error bounds: peer.codecs.specs)
 FACTORIES: dict[str, type[Codec]] = {
     "fp32": Float32Codec,
@@ -242,6 +401,8 @@ FACTORIES: dict[str, type[Codec]] = {
     "nf4": NF4Codec,
     "e3m0": E3M0Codec,
     "sparse": SparseTopKCodec,
+    "sparse2bit": ChunkSparse2BitCodec,
+    "dense2bit": Dense2BitCodec,
 }
 assert set(FACTORIES) == set(CODEC_SPECS)
 

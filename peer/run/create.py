@@ -101,7 +101,8 @@ def manifest_from_options(
         outer = OuterOptimizerConfig(**settings.pop("outer"), nesterov=o.outer_momentum > 0)
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
-    if codec_spec(o.codec).error_feedback and (outer.momentum > 0 or sync.mixing_alpha > 0):
+    # sparse codecs only: a dense one (dense2bit) sends every coordinate, so DiLoCo's step suits it
+    if codec_spec(o.codec).topk and (outer.momentum > 0 or sync.mixing_alpha > 0):
         # benchmarks/sparse_outer.py: with DiLoCo's outer step the sparse codec's global copy ended
         # at 1.27x DiLoCo's loss; without momentum, with α = 0 and a larger lr at 1.06-1.08x
         logger.warning(

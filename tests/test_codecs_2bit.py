@@ -1,0 +1,154 @@
+"""The 2-bit codecs: sparse2bit (SparseLoCo's top-k recipe) and dense2bit (MuLoCo's 2-bit dense
+code): wire size, what they keep, refusal of malformed payloads, and error feedback losing nothing.
+Their round-trip error bounds are checked with every codec's in tests/test_streaming.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer.codecs.formats import CodecError, make_codec
+from peer.codecs.specs import CODEC_SPECS
+from peer.config import OuterOptimizerConfig
+from peer.model.grid import ModelConfig
+from peer.model.transformer import PathModel
+from peer.sync.module_sync import ModuleSync
+
+CHUNK, TOPK = 4096, 64
+
+
+def _gauss(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+def _indices(data: bytes, numel: int) -> tuple[int, list[int]]:
+    """Where sparse2bit's index section starts and its 12-bit indices, read independently of the codec."""
+    at = 2 + math.ceil(math.ceil(numel / CHUNK) / 2)
+    kept = CODEC_SPECS["sparse2bit"].kept(numel)
+    bits = "".join(f"{b:08b}" for b in data[at : at + math.ceil(kept * 12 / 8)])
+    return at, [int(bits[12 * i : 12 * i + 12], 2) for i in range(kept)]
+
+
+def _with_indices(data: bytes, numel: int, indices: list[int]) -> bytes:
+    at, old = _indices(data, numel)
+    bits = "".join(f"{i:012b}" for i in indices)
+    bits += "0" * (-len(bits) % 8)
+    packed = bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+    return data[:at] + packed + data[at + len(packed) :]
+
+
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 1809])
+def test_sparse2bit_payload_has_the_tables_exact_size_and_keeps_1_in_64_per_chunk(numel):
+    codec, spec = make_codec("sparse2bit"), CODEC_SPECS["sparse2bit"]
+    x = _gauss(numel) + 1e-4  # every value non-zero, so every kept one is sent
+    data = codec.encode(x)
+    assert len(data) == spec.wire_bytes(numel)
+    y = codec.decode(data, numel)
+    full, rest = divmod(numel, CHUNK)
+    for c in range(full + (1 if rest else 0)):
+        part, back = x[c * CHUNK : (c + 1) * CHUNK], y[c * CHUNK : (c + 1) * CHUNK]
+        k = TOPK if part.numel() == CHUNK else math.ceil(part.numel() / 64)
+        top = set(part.abs().topk(k).indices.tolist())
+        assert set(back.nonzero().flatten().tolist()) <= top
+        assert torch.equal(back[list(top)].sign(), part[list(top)].sign())
+    with pytest.raises(CodecError, match="bytes"):
+        codec.decode(data + b"\0", numel)
+
+
+def test_sparse2bit_costs_at_most_0_22_bits_per_number_scales_and_indices_included():
+    codec, spec = make_codec("sparse2bit"), CODEC_SPECS["sparse2bit"]
+    numel = 64 * CHUNK
+    data = codec.encode(_gauss(numel))
+    bits = 8 * len(data) / numel
+    assert bits <= 0.22 and 32 / bits >= 145  # Covenant-72B: 0.219 bits, 146x; ours adds 4-bit chunk codes
+    assert abs(8 * spec.wire_bytes_per_value - bits) < 1e-3
+    assert int((codec.decode(data, numel) != 0).sum()) == 64 * TOPK
+
+
+def test_sparse2bit_never_sends_a_chunk_worse_than_not_sending_it():
+    """A chunk's one outlier must not drag its other 63 values to a level far above them: the scale
+    of least squared error is chosen, sending zeros included."""
+    x = torch.full((CHUNK,), 1e-3)
+    x[::64] = torch.linspace(1.0, 2.0, 64)
+    x[7] = 1000.0
+    x = torch.cat([x, _gauss(CHUNK)])
+    y = make_codec("sparse2bit").decode(make_codec("sparse2bit").encode(x), x.numel())
+    for c in range(2):
+        part, back = x[c * CHUNK : (c + 1) * CHUNK], y[c * CHUNK : (c + 1) * CHUNK]
+        kept = part.abs().topk(TOPK).indices
+        assert float((part[kept] - back[kept]).norm()) < float(part[kept].norm())
+    # a scale set by the outlier alone (s = 1000) would send the 63 others at 400 each: error 3.2x
+    assert float((x - y).norm() / x.norm()) < 0.96
+
+
+def test_sparse2bit_refuses_unordered_or_out_of_chunk_indices_and_bad_scales():
+    codec = make_codec("sparse2bit")
+    numel = CHUNK + 1  # a second chunk of one value: its one index must be 0
+    data = codec.encode(_gauss(numel))
+    codec.decode(data, numel)
+    _, idx = _indices(data, numel)
+    swapped = [idx[1], idx[0], *idx[2:]]
+    with pytest.raises(CodecError, match="strictly increasing"):
+        codec.decode(_with_indices(data, numel, swapped), numel)
+    with pytest.raises(CodecError, match="beyond its chunk"):
+        codec.decode(_with_indices(data, numel, [*idx[:-1], 1]), numel)
+    negative = bytearray(data)
+    negative[1] |= 0x80  # the sign bit of the payload's bf16 scale (little-endian)
+    with pytest.raises(CodecError, match="negative or not finite"):
+        codec.decode(bytes(negative), numel)
+    nan = bytearray(data)
+    nan[0:2] = (0x7FC0).to_bytes(2, "little")
+    with pytest.raises(CodecError, match="negative or not finite"):
+        codec.decode(bytes(nan), numel)
+
+
+def test_dense2bit_sends_every_value_at_2_125_bits_and_refuses_bad_block_scales():
+    codec, spec = make_codec("dense2bit"), CODEC_SPECS["dense2bit"]
+    x = _gauss(10 * 128 + 17)
+    data = codec.encode(x)
+    assert len(data) == spec.wire_bytes(x.numel()) and spec.wire_bytes_per_value * 8 == 2.125
+    y = codec.decode(data, x.numel())
+    assert torch.equal(y.sign(), x.sign())  # 4 levels, none of them 0: every value moves its way
+    for scale, fragment in ((b"\x80\xbf", "negative"), (b"\xc0\x7f", "not finite")):
+        bad = bytearray(data)
+        bad[2 * 10 : 2 * 10 + 2] = scale  # the last (partial) block's bf16 scale
+        with pytest.raises(CodecError, match=fragment):
+            codec.decode(bytes(bad), x.numel())
+
+
+@pytest.mark.parametrize("name", ["sparse", "sparse2bit", "dense2bit"])
+def test_error_feedback_of_each_feedback_codec_loses_nothing_in_process(name):
+    """Two holders, outer SGD lr 1 without momentum, decay 1, plain mean: whatever a holder's payloads
+    left out is still in its error buffer, θ̄₀ − θ̄_T = mean over holders of (Σ Δ − e_T), and the
+    decoded parts, hence both copies, are the same bits."""
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
+    outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
+    codec = make_codec(name)
+    assert codec.spec.error_feedback
+    models = [PathModel(cfg, (0, 0), seed=6) for _ in range(2)]
+    syncs = [ModuleSync(cfg, "l0m0", m.parts["l0m0"], outer, 1) for m in models]
+    start = syncs[0].global_flats[0].clone()
+    raw = [torch.zeros(start.numel(), dtype=torch.float64) for _ in syncs]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        parts = []
+        for i, (model, ms) in enumerate(zip(models, syncs, strict=True)):
+            with torch.no_grad():
+                for p in model.parts["l0m0"].parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+            raw[i] += ms.outer_gradient(0).double()
+            corrected = ms.corrected_outer_gradient(0, codec, 1.0)
+            sent = codec.decode(codec.encode(corrected), corrected.numel())
+            ms.settle_feedback(0, corrected, sent)
+            parts.append(sent)
+        mean = (parts[0] + parts[1]) / 2
+        for ms in syncs:
+            ms.apply(0, mean)
+    a, b = syncs
+    assert torch.equal(a.global_flats[0], b.global_flats[0])
+    assert all(float(ms.errors[0].norm()) > 0 for ms in syncs)
+    applied = (start - a.global_flats[0]).double()
+    kept = sum(r - ms.errors[0].double() for r, ms in zip(raw, syncs, strict=True)) / 2
+    assert float((applied - kept).abs().max()) < 1e-5 * float(kept.abs().max())
