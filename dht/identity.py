@@ -19,11 +19,12 @@ import tempfile
 from pathlib import Path
 
 import base58
+import msgpack
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from dht.errors import SwarmError
 
@@ -82,3 +83,27 @@ def owner_peer_id(subkey: bytes) -> str | None:
         return peer_id_of_owner(match.group(1)) if match else None
     except ValueError:
         return None
+
+
+def canonical_bytes(value) -> bytes:
+    """msgpack of `value` with dict keys sorted at every level: the same bytes for the same signed
+    record (a report, a contribution) on every peer that signs or checks it."""
+
+    def sort(v):
+        if isinstance(v, dict):
+            return {k: sort(v[k]) for k in sorted(v)}
+        if isinstance(v, list):
+            return [sort(x) for x in v]
+        return v
+
+    return msgpack.packb(sort(value), use_bin_type=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def signer_of(ssh_public_key: str) -> tuple[str | None, RSAPublicKey | None]:
+    """(peer id, key) of an RSA public key in OpenSSH form, carried in a signed record; (None, None)
+    if it is not one."""
+    try:
+        return peer_id_of_owner(ssh_public_key.encode()), RSAPublicKey.from_bytes(ssh_public_key.encode())
+    except Exception:  # not an RSA key in OpenSSH form
+        return None, None

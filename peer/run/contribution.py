@@ -11,28 +11,17 @@ publishes it with `peer.swarm.contribution.ContributionPublisher`.
 
 from __future__ import annotations
 
-import functools
 import time
 
-import msgpack
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.identity import peer_id_of_owner
+from dht.identity import canonical_bytes, signer_of
 from dht.schema import ContributionRecord
-
-
-def _canonical(value):
-    # sorted keys at every level: the same bytes for the same record on every peer and reader
-    if isinstance(value, dict):
-        return {k: _canonical(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
-        return [_canonical(x) for x in value]
-    return value
 
 
 def _body(record: ContributionRecord) -> bytes:
     """What the signature covers: every field but the signature (extra fields of newer peers too)."""
-    return msgpack.packb(_canonical(record.model_dump(mode="json", exclude={"signature"})), use_bin_type=True)
+    return canonical_bytes(record.model_dump(mode="json", exclude={"signature"}))
 
 
 def sign_contribution(record: ContributionRecord, key: RSAPrivateKey) -> ContributionRecord:
@@ -43,19 +32,11 @@ def sign_contribution(record: ContributionRecord, key: RSAPrivateKey) -> Contrib
     return unsigned.model_copy(update={"signature": key.sign(_body(unsigned)).decode()})
 
 
-@functools.lru_cache(maxsize=4096)
-def _key_of(public_key: str) -> tuple[str | None, RSAPublicKey | None]:
-    try:
-        return peer_id_of_owner(public_key.encode()), RSAPublicKey.from_bytes(public_key.encode())
-    except Exception:  # not an RSA key in OpenSSH form
-        return None, None
-
-
 def check_contribution(record: ContributionRecord, run_id: str) -> str | None:
     """None if `record` is `record.peer_id`'s own signed record for run `run_id`, else why not."""
     if record.run_id != run_id:
         return "another run"
-    owner, public = _key_of(record.public_key)
+    owner, public = signer_of(record.public_key)
     if owner is None:
         return "no readable public key"
     if owner != record.peer_id:

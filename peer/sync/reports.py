@@ -15,31 +15,17 @@ report omits it, and never because of reports of keys without standing.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
-import msgpack
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.identity import peer_id_of_owner
+from dht.identity import canonical_bytes, signer_of
 from peer.sync.wire import Report
 
 
 def _body(report: Report) -> bytes:
     """What a report's signature covers: every field but the signature, in a canonical encoding."""
-    return _canonical(report.model_dump(mode="json", exclude={"signature"}))
-
-
-def _canonical(value) -> bytes:
-    # msgpack of dicts with sorted keys: the same bytes for the same report on every peer
-    def sort(v):
-        if isinstance(v, dict):
-            return {k: sort(v[k]) for k in sorted(v)}
-        if isinstance(v, list):
-            return [sort(x) for x in v]
-        return v
-
-    return msgpack.packb(sort(value), use_bin_type=True)
+    return canonical_bytes(report.model_dump(mode="json", exclude={"signature"}))
 
 
 def sign_report(report: Report, key: RSAPrivateKey, peer_id: str) -> Report:
@@ -49,17 +35,9 @@ def sign_report(report: Report, key: RSAPrivateKey, peer_id: str) -> Report:
     return unsigned.model_copy(update={"signature": key.sign(_body(unsigned)).decode()})
 
 
-@functools.lru_cache(maxsize=1024)
-def _key_of(public_key: str) -> tuple[str | None, RSAPublicKey | None]:
-    try:
-        return peer_id_of_owner(public_key.encode()), RSAPublicKey.from_bytes(public_key.encode())
-    except Exception:  # not an RSA key in OpenSSH form
-        return None, None
-
-
 def verify_report(report: Report) -> bool:
     """True if `report` is signed by the key whose peer id is its `reporter`."""
-    owner, public = _key_of(report.public_key)
+    owner, public = signer_of(report.public_key)
     if owner is None or owner != report.reporter:
         return False
     try:
