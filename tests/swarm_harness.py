@@ -52,7 +52,8 @@ def write_manifest(
 
 def peer_args(run_id: str, ckpt: Path, *extra: str) -> list[str]:
     return ["--run", f"{RUN}@{run_id[:16]}", "--checkpoint_dir", str(ckpt), "--torch_threads", "1",
-            "--batch_size", "4", "--heartbeat_seconds", "1", *extra]  # fmt: skip
+            "--batch_size", "4", "--heartbeat_seconds", "1", "--max_inner_steps_per_second", "20",
+            *extra]  # fmt: skip
 
 
 def wait_for(predicate, timeout: float, what: str, swarm: LocalSwarm | None = None):

@@ -135,6 +135,12 @@ class PeerConfig(BaseModel):
         "swarm's round number, in the log's `round N`, may be higher); unset: no limit",
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many inner steps; unset: no limit")
+    max_inner_steps_per_second: float | None = Field(
+        None,
+        gt=0,
+        description="cap on this peer's training rate (a volunteer sharing the machine; a slower peer in a "
+        "lab); the published tokens/s is the capped one; unset: as fast as the device goes",
+    )
     heartbeat_seconds: float = Field(
         5.0, gt=0, description="how often this peer renews its path claim in the DHT"
     )

@@ -127,11 +127,10 @@ def load_documents(
     """The documents of the spec as strings, in a fixed order. Local files are checked and loaded
     right away (errors surface here, not at the first batch); a hub dataset is streamed lazily.
     `root` and `shard_folders`: see `local_files`."""
+    if spec.kind == "builtin":  # without `datasets`: its import is a second and a half of every start
+        return _texts(generate_documents(spec.builtin_docs, spec.seed), "text")
     import datasets  # heavy import, kept off the path of modules that only need DatasetSpec
 
-    if spec.kind == "builtin":
-        ds = datasets.Dataset.from_list(generate_documents(spec.builtin_docs, spec.seed))
-        return _texts(ds, "text")
     if spec.kind == "hub":
         ds = datasets.load_dataset(spec.name, split=spec.split, streaming=True, cache_dir=cache_dir)
         return _texts(ds, spec.text_field)

@@ -161,13 +161,9 @@ class Peer:
         if resumed is not None:
             self._restore(*resumed)
         self._join_path()
+        ms = self.membership
         self.authority = serve_if_creator(
-            self.sync.service,
-            self.key,
-            self.manifest,
-            self.record,
-            cfg.manifest_path,
-            self.membership.read_claims,
+            self.sync.service, self.key, self.manifest, self.record, cfg.manifest_path, ms.read_claims
         )
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
@@ -200,14 +196,9 @@ class Peer:
         if kept is not None:  # start() made the metrics with the path's label
             self.metrics.set_path(str(path_index(m.model, self.path)))
         self.sync = PathSync(
-            m,
-            self.model,
-            self.peer_id,
-            self.metrics,
-            group_of=self.membership.group_of,
-            round_of=lambda: self.outer_round,
-            kept=kept_sync,
-        )
+            m, self.model, self.peer_id, self.metrics,
+            group_of=self.membership.group_of, round_of=lambda: self.outer_round, kept=kept_sync,
+        )  # fmt: skip
 
     def _join_path(self, service: SyncService | None = None) -> None:
         """Opens our path's sync layer (on the old path's `service` after a rotation), downloads the
@@ -294,9 +285,16 @@ class Peer:
                 rotation, self._rotation = self._rotation, None
                 self._rotate(rotation)
                 self.model.train()
+            self._pace(began)
         holders = self.membership.holders()
         for done in self.sync.drain(self.step):
             self._fragment_done(done, holders)
+
+    def _pace(self, began: float) -> None:
+        """Holds the loop to --max_inner_steps_per_second (a stop request cuts the wait short)."""
+        rate = self.config.max_inner_steps_per_second
+        if rate is not None:
+            self.stop_requested.wait(max(0.0, began + 1.0 / rate - time.perf_counter()))
 
     def _fragment_done(self, done: FragmentDone, holders: dict[str, list[str]]) -> None:
         for mid in done.results:
