@@ -1,8 +1,10 @@
 """A swarm of real pathswarm processes on this machine: a bootstrap node and peers on loopback.
 
-Used by `pathswarm demo` and by the tests. Every process runs in its own process group so that
-`stop()` also reaps its DHT child and p2p daemon; `stop()` runs on exit from the
-context manager whatever happened.
+Used by `pathswarm demo`, the benchmarks and the tests. Every process runs in its own process group
+so that `stop()` also reaps its DHT child and p2p daemon; `stop()` runs on exit from the context
+manager whatever happened. pathswarm processes are forked from a template that imported the peer
+once (peer/cli/prefork.py: a peer's start is mostly imports), except those whose environment only an
+exec applies (LD_PRELOAD, for libfaketime's clocks).
 """
 
 from __future__ import annotations
@@ -14,17 +16,28 @@ import sys
 import time
 from pathlib import Path
 
+from peer.cli.prefork import ForkedProcess
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def _needs_exec(env: dict[str, str]) -> bool:
+    """Settings a fork cannot take: the dynamic loader's (LD_PRELOAD: libfaketime's skewed clocks,
+    for one) and the interpreter's own, which act only when a program starts."""
+    return any(name.startswith(("LD_", "FAKETIME", "PYTHON")) for name in env)
 
 
 class LocalSwarm:
     """Bootstrap and peer processes under one work folder, each with its log; stopped together."""
 
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None, prefork: bool = True):
+        """`prefork`: fork pathswarm processes from a template that imported the peer once
+        (peer/cli/prefork.py) instead of starting an interpreter for each."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.prefork = prefork and not _needs_exec(env or {})
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
         self.initial_peers: list[str] = []
 
     def __enter__(self) -> LocalSwarm:
@@ -38,8 +51,12 @@ class LocalSwarm:
 
     def spawn(
         self, name: str, args: list[str], env: dict[str, str] | None = None, module: str = "peer"
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen | ForkedProcess:
         """Starts `python -m module args` (`module`: pathswarm's CLI, or a benchmark's wrapper of it)."""
+        if self.prefork and module == "peer" and not _needs_exec(env or {}):
+            proc = ForkedProcess(args, {**self.env, **(env or {})}, Path.cwd(), self.log_path(name))
+            self.procs[name] = proc
+            return proc
         log = open(self.log_path(name), "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -69,7 +86,7 @@ class LocalSwarm:
 
     def start_peer(
         self, name: str, args: list[str], env: dict[str, str] | None = None, module: str = "peer"
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen | ForkedProcess:
         base = ["peer", "--initial_peers", *self.initial_peers, "--host_maddrs", LOOPBACK]
         return self.spawn(name, base + args, env, module)
 
