@@ -30,7 +30,9 @@ def manifest(**scheduler) -> RunManifest:
 def probes(cross: list[float], tokens_per_second: float = 1e6) -> dict[str, ProbeRecord]:
     return {
         p: ProbeRecord(
-            peer_id=p, tokens_per_second=tokens_per_second, memory_bytes=1 << 34,
+            peer_id=p,
+            tokens_per_second=tokens_per_second,
+            memory_bytes=1 << 34,
             links={q: (FAST if REGION[p] == REGION[q] else cross) for q in REGION if q != p},
         )  # fmt: skip
         for p in REGION
@@ -110,9 +112,14 @@ def test_no_move_in_random_swarms_leaves_a_held_module_without_a_ready_holder():
         region = {p: rng.randint(0, 2) for p in peers}
         records = {
             p: ProbeRecord(
-                peer_id=p, tokens_per_second=rng.choice([1e5, 3e5, 1e6]), memory_bytes=1 << 34,
-                links={q: ([0.001, 1e9] if region[p] == region[q] else [rng.uniform(0.05, 0.2), 1e6])
-                       for q in peers if q != p},
+                peer_id=p,
+                tokens_per_second=rng.choice([1e5, 3e5, 1e6]),
+                memory_bytes=1 << 34,
+                links={
+                    q: ([0.001, 1e9] if region[p] == region[q] else [rng.uniform(0.05, 0.2), 1e6])
+                    for q in peers
+                    if q != p
+                },
             )  # fmt: skip
             for p in peers
         }

@@ -16,12 +16,12 @@ module average together, so that a round (H inner steps, then averaging) is as s
 
 from peer.scheduler.cost import Assignment, CostBreakdown, CostModel, datap_cost, pipeline_cost, round_cost
 from peer.scheduler.groups import averaging_groups, rotation_period
+from peer.scheduler.online import GridState, OnlineDecision, online_decision
 from peer.scheduler.partition import (
     count_balanced_partitions,
     greedy_assignment,
     random_assignment,
 )
-from peer.scheduler.online import GridState, OnlineDecision, online_decision
 from peer.scheduler.plan import Plan, Replan, plan, random_cost, replan
 from peer.scheduler.scenarios import SCENARIOS, load_scenario, load_scenario_json, make_scenario, paper_grid
 from peer.scheduler.search import SearchConfig

@@ -134,8 +134,9 @@ def online_decision(
     covers_more = len(later.uncovered_paths) < len(now.uncovered_paths)
     gain = math.inf if covers_more else (now.round_seconds - later.round_seconds) * horizon_rounds
     move_seconds = {
-        p: download_seconds(p, current.path_of_peer[p], planned.path_of_peer[p], current, planned, snapshot,
-                            grid, ready)  # fmt: skip
+        p: download_seconds(
+            p, current.path_of_peer[p], planned.path_of_peer[p], current, planned, snapshot, grid, ready
+        )  # fmt: skip
         for p in movers
     }
     cost = max(move_seconds.values(), default=0.0) + (lost_rounds * later.round_seconds if movers else 0.0)
@@ -143,8 +144,8 @@ def online_decision(
     target = planned.path_of_peer.get(me)
 
     def verdict(move: bool, reason: str) -> OnlineDecision:
-        return OnlineDecision(move, source, target, reason, now.round_seconds, later.round_seconds, gain, cost,
-                              move_seconds.get(me, 0.0), movers, planned)  # fmt: skip
+        seconds = (now.round_seconds, later.round_seconds, gain, cost, move_seconds.get(me, 0.0))
+        return OnlineDecision(move, source, target, reason, *seconds, movers, planned)
 
     if source is None or target is None:
         return verdict(False, "we are not placed in the plan")

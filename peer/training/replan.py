@@ -39,10 +39,10 @@ class OnlineReplanner:
         """What changed since the last evaluation ("join", "leave", "measurement", "claims"), or None."""
         peers = frozenset(p for p, c in claims.items() if not c.client_mode and not c.leaving)
         lines = sorted(f"{p}:{c.path}:{int(c.ready)}" for p, c in claims.items() if p in peers)
-        digest = hashlib.sha256
-        measured = digest(b"".join(a.tobytes() for a in (snapshot.tokens_per_second, snapshot.latency_seconds,
-                                                         snapshot.bandwidth_bytes_per_second))).hexdigest()  # fmt: skip
-        inputs = (peers, digest(" ".join(lines).encode()).hexdigest(), measured + ",".join(snapshot.peer_ids))
+        arrays = (snapshot.tokens_per_second, snapshot.latency_seconds, snapshot.bandwidth_bytes_per_second)
+        measured = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
+        claimed = hashlib.sha256(" ".join(lines).encode()).hexdigest()
+        inputs = (peers, claimed, measured + ",".join(snapshot.peer_ids))
         before, self._inputs = self._inputs, inputs
         if before is None:
             return "start"
@@ -69,7 +69,8 @@ class OnlineReplanner:
         logger.info(
             f"online re-plan ({trigger}, round {outer_round}): {'move' if d.move else 'stay'} "
             f"path {d.source} -> {d.target}; round {d.current_round_seconds:.3f}s now, "
-            f"{d.planned_round_seconds:.3f}s planned; gain {d.gain_seconds:.1f}s, cost {d.cost_seconds:.1f}s; "
+            f"{d.planned_round_seconds:.3f}s planned; gain {d.gain_seconds:.1f}s, "
+            f"cost {d.cost_seconds:.1f}s; "
             f"movers {len(d.movers)}: {d.reason}"
         )
         if self.metrics is not None:
