@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks import scheduler_live_report as rep
 from benchmarks.scheduler_live_lab import Regions
-from benchmarks.wan.driver import REPO, child_env, start_bootstrap
+from benchmarks.wan.driver import REPO, _raise_interrupt, child_env, start_bootstrap
 from benchmarks.wan.netlab import NetLab, can_limit_threads, can_make_namespaces
 from dht.schema import ClaimRecord, ProbeRecord
 from peer.checkpoint import load_latest_checkpoint
@@ -66,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--peers", type=int, default=6, help="even: half per region")
-    p.add_argument("--cores", default="0.5,0.3,0.2", help="training-thread CPU quotas, repeated over peers")
+    # quotas summing to about one core: on a shared two-core machine the quota, not the contention,
+    # should set each peer's speed (the probe file's speeds are the quotas)
+    p.add_argument("--cores", default="0.25,0.15,0.1", help="training-thread CPU quotas, repeated over peers")
     p.add_argument("--arm_seconds", type=float, default=220.0, help="wall time of each arm's training")
     p.add_argument("--change_at", type=float, default=0.3, help="fraction of an arm when regions change")
     p.add_argument("--fast_mbit", type=float, default=200.0)
@@ -84,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="4 peers, 30 s arms: checks the machinery only")
     args = p.parse_args(argv)
     if args.smoke:
-        args.peers, args.arm_seconds, args.cores = 4, 30.0, "0.5,0.3"
+        args.peers, args.cores = 4, "0.3,0.15"
+        args.arm_seconds = 30.0 if args.arm_seconds == p.get_default("arm_seconds") else args.arm_seconds
     if args.peers < 2 or args.peers % 2:
         p.error("--peers: an even number of at least 2 (half per region)")
     cores = [float(c) for c in args.cores.split(",")]
@@ -246,6 +250,7 @@ def summarise(args, results: dict[str, dict]) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # the lab's namespaces and processes go on any exit
     ok, why = can_make_namespaces(install=True)
     if not ok:
         print(f"benchmarks.scheduler_live: cannot build the lab: {why}", file=sys.stderr)
