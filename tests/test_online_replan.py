@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+from pydantic import ValidationError
+
 from dht.schema import ClaimRecord, ProbeRecord
 from peer.config import RunManifest
 from peer.config.manifest import SchedulerConfig, SyncConfig
@@ -139,3 +142,8 @@ def test_no_move_in_random_swarms_leaves_a_held_module_without_a_ready_holder():
             assert any(module in grid.path_modules[after[p]] and module in grid.path_modules[paths[p]]
                        for p in ready), (seed, module, paths, after)  # fmt: skip
     assert checked >= 5  # the property was exercised by real moves
+
+
+def test_online_replanning_in_a_run_without_a_plan_is_refused_naming_the_setting():
+    with pytest.raises(ValidationError, match="replan_online re-runs the plan: it needs mode 'planned'"):
+        SchedulerConfig(mode="least_covered", replan_online=True)

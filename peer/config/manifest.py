@@ -207,6 +207,12 @@ class SchedulerConfig(_Frozen):
         "wait until holders see its claim), in the cost of a move",
     )  # fmt: skip
 
+    @model_validator(mode="after")
+    def _online_needs_a_plan(self) -> SchedulerConfig:
+        if self.replan_online and self.mode != "planned":
+            raise ValueError(f"replan_online re-runs the plan: it needs mode 'planned', not {self.mode!r}")
+        return self
+
 
 class RunManifest(_Frozen):
     """Everything that must be identical on every peer of a run. Its sha256 is the run id.
