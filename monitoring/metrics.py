@@ -148,6 +148,8 @@ class PeerMetrics:
             self.outer_rounds.labels(outcome)
         for reason in BAD_PART_REASONS:
             self.bad_parts.labels(reason)
+        for assignment in ("current", "planned"):
+            self.plan_round_seconds.labels(assignment)
 
         self._modules: set[str] = set()
         self._lock = threading.Lock()
