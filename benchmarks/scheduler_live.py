@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # quotas summing to about one core: on a shared two-core machine the quota, not the contention,
     # should set each peer's speed (the probe file's speeds are the quotas)
     p.add_argument("--cores", default="0.25,0.15,0.1", help="training-thread CPU quotas, repeated over peers")
-    p.add_argument("--arm_seconds", type=float, default=220.0, help="wall time of each arm's training")
+    # 3 arms x (170 s + about 90 s of start-up and 30 s of shutdown): under 15 minutes
+    p.add_argument("--arm_seconds", type=float, default=170.0, help="training seconds per arm")
     p.add_argument("--change_at", type=float, default=0.3, help="fraction of an arm when regions change")
     p.add_argument("--fast_mbit", type=float, default=200.0)
     p.add_argument("--slow_mbit", type=float, default=1.5)
