@@ -29,6 +29,11 @@ class OnlineReplanner:
         self._inputs: tuple[frozenset[str], str, str] | None = None
         #: the last decision, for tests and the benchmark's report
         self.last: OnlineDecision | None = None
+        self._retry = False
+
+    def retry(self) -> None:
+        """Decide again at the next round's end although nothing changed (a move was put off)."""
+        self._retry = True
 
     @property
     def enabled(self) -> bool:
@@ -61,9 +66,10 @@ class OnlineReplanner:
             return None
         claims = dict(m.claims)
         claims[m.peer_id] = m.claim_record()  # our claim as it is now, not as last published
-        trigger = self._changed(claims, m.snapshot)
+        trigger = self._changed(claims, m.snapshot) or ("retry" if self._retry else None)
         if trigger is None:
             return None
+        self._retry = False
         d = online_move(m.manifest, m.snapshot, claims, m.peer_id, stable_seed(m.run_id))
         self.last = d
         logger.info(

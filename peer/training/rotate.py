@@ -48,6 +48,7 @@ class RotationPolicy:
             return None
         if in_flight:
             logger.info("syncs still in flight at the round's end: not rotating this time")
+            self.replanner.retry()  # the plan's move is still due: decide again at the next round's end
             return None
         return rotation
 
