@@ -185,8 +185,10 @@ def measure(args, regions: Regions, manifest: RunManifest, folder: Path, t0: flo
             raise RuntimeError(f"peer{i} left no checkpoint:\n{_tail(folder / f'logs/peer{i}.log')}")
         meta = loaded[1]
         histories.append(meta.get("history", []))
-        paths[regions.peer_ids[i]] = int(meta["path"][0])
         logs.append((folder / f"logs/peer{i}.log").read_text())
+        # the log's last path: a move under way when the arm ended is not in the final checkpoint
+        trained = rep.TRAINING.findall(logs[-1])
+        paths[regions.peer_ids[i]] = int(trained[-1]) if trained else int(meta["path"][0])
     # the cost model on the final assignment and the final probe file: what the planner predicts
     data = json.loads(regions.probe_file.read_text())
     probes = {p: ProbeRecord(peer_id=p, tokens_per_second=data["tokens_per_second"][p], memory_bytes=1 << 34,

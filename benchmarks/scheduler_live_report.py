@@ -12,6 +12,7 @@ from pathlib import Path
 from peer.model.grid import TRUNK
 
 MOVE = re.compile(r"rotating from path (\d+) to path (\d+)")
+TRAINING = re.compile(r"training path (\d+) ")
 PREDICTED = re.compile(
     r"online re-plan \(\w+, round \d+\): \w+ path \S+ -> \S+; round [\d.]+s now, ([\d.]+)s planned"
 )
