@@ -14,6 +14,10 @@ so all of them reach the same verdict on the whole plan, and each acts only on i
   `lost_rounds` rounds of the plan (the rebuild and the wait until holders see its new claim);
 * no orphan: a mover leaves a module only when another ready holder of it keeps it in the plan;
   otherwise it waits, and the plan is re-evaluated when claims change (the newcomer became ready).
+
+The measurements are what peers sign about themselves (probe records), i.e. claims: a peer that lies
+about its speed or links can make the plan move peers for nothing, which costs training time at
+most: `min_gain` and the cost check bound how often, and no move leaves a module without a holder.
 """
 
 from __future__ import annotations

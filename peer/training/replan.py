@@ -27,7 +27,7 @@ class OnlineReplanner:
         self.membership = membership
         self.metrics = metrics
         self._inputs: tuple[frozenset[str], str, str] | None = None
-        #: the last decision, for tests and the benchmark's report
+        #: the last decision (None before the first)
         self.last: OnlineDecision | None = None
         self._retry = False
 
