@@ -122,6 +122,18 @@ class PeerMetrics:
             buckets=ALLREDUCE_BUCKETS,
             registry=r,
         )
+        # the online planner's last decision (peer/training/replan.py): what the monitor shows of the plan
+        self.plan_round_seconds = Gauge(
+            "pathswarm_plan_round_seconds", "Round time the plan predicts, by assignment (current, planned).",
+            ["assignment"], registry=r,
+        )  # fmt: skip
+        self.plan_gain_seconds = Gauge(
+            "pathswarm_plan_gain_seconds", "Predicted saving of the last plan over the horizon.", registry=r
+        )
+        self.plan_move_cost_seconds = Gauge(
+            "pathswarm_plan_move_cost_seconds", "Predicted cost of the last plan's moves.", registry=r
+        )
+        self.plan_moves = Counter("pathswarm_plan_moves", "Moves this peer made for the plan.", registry=r)
         self.build_info = Info("pathswarm_build", "Versions of pathswarm and its runtime.", registry=r)
         self.build_info.info(
             {"version": version, "python": platform.python_version(), "torch": _package_version("torch")}
@@ -136,6 +148,8 @@ class PeerMetrics:
             self.outer_rounds.labels(outcome)
         for reason in BAD_PART_REASONS:
             self.bad_parts.labels(reason)
+        for assignment in ("current", "planned"):
+            self.plan_round_seconds.labels(assignment)
 
         self._modules: set[str] = set()
         self._lock = threading.Lock()
@@ -241,6 +255,14 @@ class PeerMetrics:
 
     def checkpoint_failed(self) -> None:
         self.checkpoint_failures.inc()
+
+    def observe_plan(self, current: float, planned: float, gain: float, cost: float, moved: bool) -> None:
+        self.plan_round_seconds.labels("current").set(current)
+        self.plan_round_seconds.labels("planned").set(planned)
+        self.plan_gain_seconds.set(gain)
+        self.plan_move_cost_seconds.set(cost)
+        if moved:
+            self.plan_moves.inc()
 
     def set_peers_seen(self, n: int) -> None:
         self.peers_seen.set(n)

@@ -191,7 +191,27 @@ class SchedulerConfig(_Frozen):
     replan_min_gain: float = Field(0.1, ge=0)
     #: peers each peer measures links to per probe cycle
     max_links: int = Field(8, ge=0, le=64)
-    probe_every_seconds: float = Field(300.0, gt=0)
+    probe_every_seconds: float = Field(
+        300.0, gt=0, description="seconds between a peer's probes of its speed and links"
+    )
+    replan_online: bool = Field(
+        False, description="planned runs: re-plan at round ends after a join, a leave or a new probe, "
+        "and move a peer when the plan's gain over --replan_horizon_rounds beats the move's cost",
+    )  # fmt: skip
+    replan_horizon_rounds: int = Field(
+        20, ge=1, le=100_000, description="rounds over which re-planning counts a plan's saving "
+        "against the cost of its moves",
+    )  # fmt: skip
+    move_lost_rounds: float = Field(
+        1.0, ge=0, le=1000, description="rounds a moving peer loses besides its download (rebuild, the "
+        "wait until holders see its claim), in the cost of a move",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _online_needs_a_plan(self) -> SchedulerConfig:
+        if self.replan_online and self.mode != "planned":
+            raise ValueError(f"replan_online re-runs the plan: it needs mode 'planned', not {self.mode!r}")
+        return self
 
 
 class RunManifest(_Frozen):

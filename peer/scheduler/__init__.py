@@ -9,12 +9,14 @@ module average together, so that a round (H inner steps, then averaging) is as s
 * `partition`: balanced partitions, the random and greedy baselines, exhaustive search;
 * `search`: the paper's hybrid genetic algorithm, with its local search in `local`;
 * `plan`: `plan` and `replan` (hysteresis on churn);
+* `online`: `online_decision`, whether a live peer moves: the plan's gain against the move's cost;
 * `groups`: `averaging_groups`, rotating subgroups of a widely held module;
 * `scenarios`: the paper's five network scenarios and JSON scenario files.
 """
 
 from peer.scheduler.cost import Assignment, CostBreakdown, CostModel, datap_cost, pipeline_cost, round_cost
 from peer.scheduler.groups import averaging_groups, rotation_period
+from peer.scheduler.online import GridState, OnlineDecision, online_decision
 from peer.scheduler.partition import (
     count_balanced_partitions,
     greedy_assignment,
@@ -31,7 +33,9 @@ __all__ = [
     "CostBreakdown",
     "CostModel",
     "GridSpec",
+    "GridState",
     "LinkMeasurement",
+    "OnlineDecision",
     "PeerMeasurement",
     "Plan",
     "Replan",
@@ -44,6 +48,7 @@ __all__ = [
     "load_scenario",
     "load_scenario_json",
     "make_scenario",
+    "online_decision",
     "paper_grid",
     "pipeline_cost",
     "plan",

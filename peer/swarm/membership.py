@@ -362,7 +362,7 @@ class Membership:
         """Announces that we are ready to average and starts the heartbeat."""
         self.ready = True
         self.publish_claim()
-        if self.manifest.sync.max_group_size:
+        if self.manifest.sync.max_group_size or self.manifest.scheduler.replan_online:
             self.snapshot = self.build_snapshot()
         self._heartbeat = threading.Thread(target=self._beat, args=(metrics,), name="heartbeat", daemon=True)
         self._heartbeat.start()
@@ -405,7 +405,7 @@ class Membership:
                     cycle += 1
                     self.probe(cycle)
                     last_probe = time.monotonic()
-                if self.manifest.sync.max_group_size:
+                if self.manifest.sync.max_group_size or self.manifest.scheduler.replan_online:
                     self.snapshot = self.build_snapshot()
                 if self.artifacts is not None:  # it re-publishes once a minute at most
                     with self._lock:

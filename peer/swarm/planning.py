@@ -3,31 +3,39 @@
 Every peer builds the same `SwarmSnapshot` from the probe and claim records it reads and runs the
 same deterministic planner with the run's seed, so peers agree on the plan without talking about it
 (views of the DHT can lag by a heartbeat; hysteresis keeps such differences from moving anyone).
-A peer only ever acts on its own line of the plan: which path to claim when it joins, and which
-subgroup of a module's holders it averages with in a round.
+A peer only ever acts on its own line of the plan: which path to claim when it joins, whether to
+move at a round's end (`online_move`, runs with `scheduler.replan_online`), and which subgroup of a
+module's holders it averages with in a round.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from functools import lru_cache
 
 from dht.schema import ClaimRecord, ProbeRecord
 from peer.codecs.specs import codec_spec
 from peer.config import RunManifest
-from peer.model.grid import all_paths, path_index, path_module_ids
-from peer.model.transformer import PathModel, count_parameters
+from peer.model.grid import ModelConfig, all_module_ids, all_paths, path_index, path_module_ids
+from peer.model.transformer import PathModel, build_module_shape_only, count_parameters
 from peer.scheduler import (
     Assignment,
     GridSpec,
+    GridState,
     LinkMeasurement,
+    OnlineDecision,
     PeerMeasurement,
     SwarmSnapshot,
     averaging_groups,
+    online_decision,
     replan,
 )
 
 logger = logging.getLogger(__name__)
+
+#: what a mover downloads per parameter of a module: its averaged weights and outer momentum (fp32)
+STATE_BYTES_PER_PARAMETER = 8
 
 
 def fragment_bytes(manifest: RunManifest, path_parameters: int) -> float:
@@ -141,3 +149,37 @@ def group_bits(index: int, width: int = 8) -> str:
 
 def bits_for(n: int) -> int:
     return max(1, math.ceil(math.log2(max(2, n))))
+
+
+@lru_cache(maxsize=8)
+def grid_state(cfg: ModelConfig) -> GridState:
+    """Each path's modules and each module's state bytes (shapes only: nothing is allocated)."""
+    import torch
+
+    with torch.device("meta"):
+        sizes = {m: count_parameters(build_module_shape_only(cfg, m)) for m in all_module_ids(cfg)}
+    return GridState(
+        tuple(frozenset(path_module_ids(cfg, p)) for p in all_paths(cfg)),
+        {m: float(n * STATE_BYTES_PER_PARAMETER) for m, n in sizes.items()},
+    )
+
+
+def online_move(
+    manifest: RunManifest, snapshot: SwarmSnapshot, claims: dict[str, ClaimRecord], me: str, seed: int
+) -> OnlineDecision:
+    """This peer's line of the re-run plan (peer/scheduler/online.py) on its views of the swarm: the
+    live claims (not client-mode, not leaving) are the current assignment, their `ready` flags say
+    who can serve state."""
+    live = {p: c for p, c in claims.items() if not c.client_mode and not c.leaving}
+    s = manifest.scheduler
+    return online_decision(
+        current_assignment(manifest, live),
+        snapshot,
+        me,
+        grid_state(manifest.model),
+        {p for p, c in live.items() if c.ready},
+        seed=seed,
+        min_gain=s.replan_min_gain,
+        horizon_rounds=s.replan_horizon_rounds,
+        lost_rounds=s.move_lost_rounds,
+    )

@@ -156,7 +156,7 @@ class Peer:
         self.router = RouterFollower(
             self.dht, self.key, cfg, self.manifest, self.record, self.base, self.artifacts, self.metrics
         )
-        self.rotation_policy = RotationPolicy(self.membership, self.peer_id, fixed_path=cfg.path is not None)
+        self.rotation_policy = RotationPolicy(self.membership, self.metrics, fixed_path=cfg.path is not None)
         self._build_model()
         if resumed is not None:
             self._restore(*resumed)

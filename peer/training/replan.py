@@ -1,0 +1,87 @@
+"""Online re-planning in a live peer (`OnlineReplanner`): at a round's end, when the swarm changed
+since the last look (a peer joined or left, a claim moved or became ready, a probe reported another
+speed or link), the peer re-runs the run's plan on its views (peer/swarm/planning.py `online_move`)
+and moves itself when the plan's predicted gain beats the move's cost (peer/scheduler/online.py).
+Every decision is logged (one `online re-plan` line) and exported as metrics for the monitor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from peer.scheduler import OnlineDecision
+from peer.seeding import stable_seed
+from peer.swarm.membership import Membership
+from peer.swarm.planning import online_move
+from peer.swarm.rotation import Rotation
+
+logger = logging.getLogger(__name__)
+
+
+class OnlineReplanner:
+    """Re-plans when the swarm's inputs to the plan changed, and says whether this peer moves."""
+
+    def __init__(self, membership: Membership, metrics=None):
+        """`metrics`: the peer's PeerMetrics (None: decisions go to the log only)."""
+        self.membership = membership
+        self.metrics = metrics
+        self._inputs: tuple[frozenset[str], str, str] | None = None
+        #: the last decision (None before the first)
+        self.last: OnlineDecision | None = None
+        self._retry = False
+
+    def retry(self) -> None:
+        """Decide again at the next round's end although nothing changed (a move was put off)."""
+        self._retry = True
+
+    @property
+    def enabled(self) -> bool:
+        s = self.membership.manifest.scheduler
+        return s.replan_online and s.mode == "planned"
+
+    def _changed(self, claims, snapshot) -> str | None:
+        """What changed since the last evaluation ("join", "leave", "measurement", "claims"), or None."""
+        peers = frozenset(p for p, c in claims.items() if not c.client_mode and not c.leaving)
+        lines = sorted(f"{p}:{c.path}:{int(c.ready)}" for p, c in claims.items() if p in peers)
+        arrays = (snapshot.tokens_per_second, snapshot.latency_seconds, snapshot.bandwidth_bytes_per_second)
+        measured = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
+        claimed = hashlib.sha256(" ".join(lines).encode()).hexdigest()
+        inputs = (peers, claimed, measured + ",".join(snapshot.peer_ids))
+        before, self._inputs = self._inputs, inputs
+        if before is None:
+            return "start"
+        if peers - before[0]:
+            return "join"
+        if before[0] - peers:
+            return "leave"
+        if inputs[2] != before[2]:
+            return "measurement"
+        return "claims" if inputs[1] != before[1] else None
+
+    def decide(self, outer_round: int) -> Rotation | None:
+        """Our move at the end of `outer_round` (None: we stay), from the heartbeat's views."""
+        m = self.membership
+        if not self.enabled or m.snapshot is None:
+            return None
+        claims = dict(m.claims)
+        claims[m.peer_id] = m.claim_record()  # our claim as it is now, not as last published
+        trigger = self._changed(claims, m.snapshot) or ("retry" if self._retry else None)
+        if trigger is None:
+            return None
+        self._retry = False
+        d = online_move(m.manifest, m.snapshot, claims, m.peer_id, stable_seed(m.run_id))
+        self.last = d
+        logger.info(
+            f"online re-plan ({trigger}, round {outer_round}): {'move' if d.move else 'stay'} "
+            f"path {d.source} -> {d.target}; round {d.current_round_seconds:.3f}s now, "
+            f"{d.planned_round_seconds:.3f}s planned; gain {d.gain_seconds:.1f}s, "
+            f"cost {d.cost_seconds:.1f}s; "
+            f"movers {len(d.movers)}: {d.reason}"
+        )
+        if self.metrics is not None:
+            self.metrics.observe_plan(d.current_round_seconds, d.planned_round_seconds, d.gain_seconds,
+                                      d.cost_seconds, d.move)  # fmt: skip
+        if not d.move:
+            return None
+        return Rotation(m.peer_id, int(d.source), int(d.target), {})

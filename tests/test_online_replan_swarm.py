@@ -1,0 +1,97 @@
+"""A live swarm re-plans online: real peers, a probe file changed while they train."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peer.cli.local_swarm import LocalSwarm
+from peer.config import InnerOptimizerConfig, SyncConfig
+from peer.config.manifest import SchedulerConfig
+from peer.data.sources import DatasetSpec
+from peer.model.grid import ModelConfig
+from peer.run.create import build_manifest
+from peer.run.record import save_record, sign_manifest
+from tests.swarm_harness import wait_for
+
+pytestmark = pytest.mark.swarm
+
+RUN = "replantest"
+TRAINING = re.compile(r"training path (\d+) ")
+ROUND = re.compile(r"round (\d+) step")
+FAST, SLOW = [0.001, 1e9], [0.2, 2e5]
+
+
+@pytest.mark.timeout(150)
+def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_planner(tmp_path):
+    manifest = build_manifest(
+        RUN,
+        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=1, modules_per_level=2),
+        DatasetSpec(kind="builtin", builtin_docs=200),
+        seq_len=32,
+        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=200),
+        sync=SyncConfig(inner_steps=4, averaging_timeout_seconds=15.0),
+        router_docs=100,
+        sections={"scheduler": SchedulerConfig(replan_online=True, probe_every_seconds=1.0)},
+    )
+    record = sign_manifest(manifest, RSAPrivateKey())
+    manifest_file = tmp_path / "manifest.json"
+    save_record(record, manifest_file)
+    ids = []
+    for i in range(4):
+        P2P.generate_identity(str(tmp_path / f"id{i}"))
+        ids.append(PeerID.from_identity((tmp_path / f"id{i}").read_bytes()).to_base58())
+    probe_file = tmp_path / "probes.json"
+
+    def write_probes(region: dict[str, int]) -> None:
+        links = {a: {b: FAST if region[a] == region[b] else SLOW for b in ids if b != a} for a in ids}
+        tmp = tmp_path / "probes.tmp"  # replaced at once: a peer never reads half a file
+        tmp.write_text(json.dumps({"tokens_per_second": dict.fromkeys(ids, 1e5), "links": links}))
+        tmp.replace(probe_file)
+
+    write_probes(dict.fromkeys(ids, 0))  # one region: every placement is as good as another
+    with LocalSwarm(tmp_path / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(manifest_file)])
+        for i in range(4):
+            swarm.start_peer(
+                f"p{i}",
+                ["--run", f"{RUN}@{record.run_id[:16]}", "--identity_path", str(tmp_path / f"id{i}"),
+                 "--probe_file", str(probe_file), "--max_rounds", "14", "--batch_size", "2",
+                 "--torch_threads", "1", "--heartbeat_seconds", "1", "--wait_for_peers", "4",
+                 "--checkpoint_every_rounds", "1000"],
+            )  # fmt: skip
+
+        def log(i: int) -> str:
+            return swarm.log_path(f"p{i}").read_text()
+
+        def rounds(i: int) -> list[int]:
+            return [int(r) for r in ROUND.findall(log(i))]
+
+        wait_for(lambda: all(len(rounds(i)) >= 2 for i in range(4)), 90, "two rounds on every peer", swarm)
+        start = {ids[i]: int(TRAINING.findall(log(i))[-1]) for i in range(4)}
+        # each path's group now spans both regions: the region boundary slows every group down
+        by_path: dict[int, list[str]] = {}
+        for pid, k in sorted(start.items(), key=lambda kv: ids.index(kv[0])):
+            by_path.setdefault(k, []).append(pid)
+        assert sorted(len(g) for g in by_path.values()) == [2, 2], start
+        region = {g[j]: j for g in by_path.values() for j in range(2)}
+        changed_at = max(max(rounds(i)) for i in range(4))
+        write_probes(region)
+        for i in range(4):
+            assert swarm.wait(f"p{i}", timeout=120) == 0, log(i)[-3000:]
+        logs = [log(i) for i in range(4)]
+
+    final = {ids[i]: int(TRAINING.findall(logs[i])[-1]) for i in range(4)}
+    movers = [i for i in range(4) if "rotating from path" in logs[i]]
+    assert len(movers) == 2, (start, final, [re.findall(r"online re-plan.*", lg) for lg in logs])
+    # one region per path now: the averaging groups no longer cross the slow link
+    assert len({final[p] for p in ids if region[p] == 0}) == 1
+    assert len({final[p] for p in ids if region[p] == 1}) == 1
+    for i in movers:
+        decision = re.search(r"online re-plan \(measurement, round (\d+)\): move", logs[i])
+        assert decision, logs[i][-3000:]
+        assert int(decision.group(1)) <= changed_at + 4  # within a few rounds of the slow-down
