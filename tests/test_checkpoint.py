@@ -339,3 +339,30 @@ def test_an_unwritable_checkpoint_dir_is_refused_with_the_fix(tmp_path):
     assert f"runs as uid {os.geteuid()}" in said and f"{data} belongs to uid" in said, said
     assert "chown" in said and "--user $(id -u)" in said and "named volume" in said, said
     assert not (data / "ckpt").exists()
+
+
+@pytest.mark.swarm  # starts a process
+@pytest.mark.timeout(60)
+def test_a_killed_peers_forked_child_that_lives_on_does_not_hold_its_checkpoint_dir(tmp_path):
+    """hivemind's DHT process is forked from the peer after the lock: killed with the peer, it can
+    outlive it by seconds, and a restart in that window must not be refused."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from peer.checkpoint.lock import CheckpointDirLock\n"
+        f"CheckpointDirLock({str(tmp_path / 'ckpt')!r}).acquire()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    null = os.open(os.devnull, os.O_WRONLY)\n"
+        "    os.dup2(null, 1), os.dup2(null, 2)\n"  # the parent's caller reads its output to EOF
+        "    time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=9)
+    child = int(proc.stdout.split()[0])
+    try:
+        os.kill(child, 0)  # the forked child is still alive
+        CheckpointDirLock(tmp_path / "ckpt").acquire().release()
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -47,7 +47,15 @@ class CheckpointDirLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        # A forked child (hivemind's DHT process) shares the lock; killed with us, it may outlive us by
+        # seconds and refuse a restart meanwhile. It drops its copy, so only this process holds it.
+        os.register_at_fork(after_in_child=self._drop_in_child)
         return self
+
+    def _drop_in_child(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def release(self) -> None:
         if self._fd is not None:

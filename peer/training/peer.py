@@ -293,8 +293,8 @@ class Peer:
     def _pace(self, began: float) -> None:
         """Holds the loop to --max_inner_steps_per_second (a stop request cuts the wait short)."""
         rate = self.config.max_inner_steps_per_second
-        if rate is not None:
-            self.stop_requested.wait(max(0.0, began + 1.0 / rate - time.perf_counter()))
+        if rate is not None and (left := began + 1.0 / rate - time.perf_counter()) > 0:
+            self.stop_requested.wait(left)
 
     def _fragment_done(self, done: FragmentDone, holders: dict[str, list[str]]) -> None:
         for mid in done.results:
