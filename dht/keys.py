@@ -31,8 +31,8 @@ CONTRIBUTION_TTL_SECONDS = 300.0
 #: paths has one shard per path. 256 shards of MAX_CLAIMS_PER_SHARD hold 131,072 claims.
 MAX_CLAIM_SHARDS = 256
 #: A DHT node keeps, and a reader keeps of one shard, at most this many claims (dht/shard_store.py
-#: chooses which). With MAX_CLAIM_BYTES per claim plus its owner key and signature (under 6.5 KiB
-#: together, see dht/validators.py) one shard's reply stays under 3.3 MiB, below hivemind's 4 MiB.
+#: chooses which). With MAX_CLAIM_BYTES per claim plus its owner key and signature (under 5.5 KiB
+#: together, see dht/validators.py) one shard's reply stays under 2.8 MiB, below hivemind's 4 MiB.
 MAX_CLAIMS_PER_SHARD = 512
 #: A claim's record, serialized without its signature, is at most this long (a real one, with an
 #: admission token and 64 path_steps entries, is about 2.3 KiB).

@@ -42,9 +42,10 @@ from dht.shard_store import Admitted, SubkeyCap, cap_keys
 logger = logging.getLogger(__name__)
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
-#: an owner subkey holds the owner's public key: 2048-bit RSA takes about 400 bytes; a huge key would
-#: pad every record it signs (and its signature) past the shard's byte budget
-MAX_OWNER_SUBKEY_BYTES = 1024
+#: an owner subkey holds the owner's public key: 2048-bit RSA (every peer's) takes about 390 bytes,
+#: 3072-bit under 600; a larger key would pad every record it signs (and its signature) past the
+#: shard's byte budget
+MAX_OWNER_SUBKEY_BYTES = 640
 #: fields a claim may carry that this release does not know (a newer peer's additions), counted
 #: against MAX_CLAIM_BYTES like every other field
 MAX_CLAIM_EXTRA_FIELDS = 4
@@ -54,7 +55,8 @@ class RecordSchemaValidator(RecordValidatorBase):
     """Refuses records under pathswarm's keys that are unowned, malformed, oversize or live too long.
 
     `admitted(peer_id, token)` (the run's `AdmissionCheck.admitted`, where the manifest is known)
-    ranks claims from admitted peers first when a node must choose which claims of a shard it keeps."""
+    ranks claims from admitted peers first when a node must choose which claims of a shard it keeps
+    (at most `max_claims_per_shard`: tests and benchmarks flood a smaller shard)."""
 
     def __init__(
         self,
@@ -62,9 +64,11 @@ class RecordSchemaValidator(RecordValidatorBase):
         run_id: str | None,
         max_ttl_seconds: float = MAX_RECORD_TTL_SECONDS,
         admitted: Admitted | None = None,
+        max_claims_per_shard: int = MAX_CLAIMS_PER_SHARD,
     ):
         self.max_ttl_seconds = max_ttl_seconds
         self.admitted = admitted
+        self.max_claims_per_shard = max_claims_per_shard
         self._schema_by_key = {}
         self._shard_by_key: dict[bytes, int] = {}
         for kind, key in run_keys(run_name, run_id).items():
@@ -78,7 +82,7 @@ class RecordSchemaValidator(RecordValidatorBase):
 
     def _cap_claims(self) -> None:
         if self._shard_by_key:
-            cap_keys(SubkeyCap(list(self._shard_by_key), MAX_CLAIMS_PER_SHARD, self.admitted))
+            cap_keys(SubkeyCap(list(self._shard_by_key), self.max_claims_per_shard, self.admitted))
 
     def __setstate__(self, state: dict) -> None:
         # sent to the DHT process by `add_validators`: its storage caps the claim shards there
