@@ -41,6 +41,7 @@ from monitoring.swarm.status import status_dict
 from monitoring.swarm.view import build_view, select_claims
 from peer.config import RunManifest
 from peer.model.grid import ModelConfig, all_paths, path_module_ids
+from peer.run.record import sign_manifest
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=8)
 RUN = "monitorcost"
@@ -82,10 +83,7 @@ def claim_for(peer_id: str, i: int, rng: random.Random) -> ClaimRecord:
 
 def manifest() -> tuple[RunManifest, ManifestRecord]:
     m = RunManifest(name=RUN, model=GRID, seq_len=32)
-    record = ManifestRecord(
-        run_id=m.run_id, manifest_json=m.canonical_json(), creator_public_key=b"x", signature=b"x"
-    )
-    return m, record
+    return m, sign_manifest(m, RSAPrivateKey())  # the poller checks admissions against its creator key
 
 
 def time_pipeline(n: int, repeats: int) -> dict:

@@ -21,7 +21,9 @@ KEY = RSAPrivateKey()
 VALIDATOR = RecordSchemaValidator(RUN, RUN_ID)
 
 
-def record(value: dict, shard: int = 0, key: RSAPrivateKey = KEY, ttl: float = CLAIM_TTL_SECONDS) -> DHTRecord:
+def record(
+    value: dict, shard: int = 0, key: RSAPrivateKey = KEY, ttl: float = CLAIM_TTL_SECONDS
+) -> DHTRecord:
     """A claim as the schema validator sees it: owner subkey, value with its signature stripped."""
     return DHTRecord(
         key=DHTID.generate(source=claims_key(RUN, RUN_ID, shard)).to_bytes(),
