@@ -26,11 +26,9 @@ from dht.validators import RecordSchemaValidator
 LOOPBACK = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True)
 
 
-def flooder(
-    keys: list[RSAPrivateKey], schema: RecordSchemaValidator, initial_peers: list[str]
-) -> hivemind.DHT:
+def flooder(keys: list[RSAPrivateKey], schema: RecordSchemaValidator, peers: list[str], **kw) -> hivemind.DHT:
     """A DHT node that stores records under any of `keys`' owner subkeys, signed by that key."""
-    return hivemind.DHT(initial_peers=initial_peers, record_validators=[ManyOwners(keys), schema], **LOOPBACK)
+    return hivemind.DHT(initial_peers=peers, record_validators=[ManyOwners(keys), schema], **LOOPBACK, **kw)
 
 
 def storage_node(schema: RecordSchemaValidator, initial_peers: list[str] | None = None, **kw) -> hivemind.DHT:
