@@ -62,7 +62,7 @@ def realistic_claim(key: RSAPrivateKey, token: str, cfg: ModelConfig, path: int,
     ).model_dump()  # fmt: skip
 
 
-async def _store_batch(items: list, _dht, node) -> int:
+async def store_batch(items: list, _dht, node) -> int:
     keys, subkeys, values, expirations = (list(x) for x in zip(*items, strict=True))
     result = await node.store_many(keys, values, expirations, subkeys=subkeys)
     return sum(bool(ok) for per_key in result.values() for ok in per_key.values())
@@ -86,7 +86,7 @@ def publish_population(
         expiry = get_dht_time() + ttl
         batch = [(k, s, v, expiry) for k, s, v, _ in items[i : i + STORE_BATCH]]
         publisher = publishers[(i // STORE_BATCH) % len(publishers)]
-        pending.append(publisher.run_coroutine(partial(_store_batch, batch), return_future=True))
+        pending.append(publisher.run_coroutine(partial(store_batch, batch), return_future=True))
         if len(pending) >= 2 * len(publishers):
             stored += pending.pop(0).result()
     stored += sum(f.result() for f in pending)
