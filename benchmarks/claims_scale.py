@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flood_keys", type=int, default=10_000, help="fresh keys publishing into the live run")
     p.add_argument("--flood_window_seconds", type=float, default=60.0, help="each of before and during")
     p.add_argument("--warmup_seconds", type=float, default=20.0)
+    p.add_argument("--heartbeat_seconds", type=float, default=5.0, help="the live run's peers' (the default)")
     p.add_argument("--run_start_timeout_seconds", type=float, default=240.0)
     args = p.parse_args(argv)
     try:

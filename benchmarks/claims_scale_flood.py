@@ -69,7 +69,8 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
             key, key_file = load_identity(folder / f"{name}.key")
             ids.append(peer_id_of_key(key))
             token = sign_admission(creator, run_id, ids[-1], "invite")
-            extra = ["--identity_path", str(key_file), "--admission", token, "--wait_for_peers", "2"]
+            extra = ["--identity_path", str(key_file), "--admission", token, "--wait_for_peers", "2",
+                     "--heartbeat_seconds", str(args.heartbeat_seconds)]  # fmt: skip
             swarm.start_peer(name, peer_argv(run_args, run, folder / name, *extra))
         watcher, _ = start_dht(
             initial_peers=swarm.initial_peers, client_mode=True, run_name=manifest.name, run_id=run_id
@@ -96,13 +97,14 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
                 if time.monotonic() > deadline or not all(swarm.alive(n) for n in PEERS):
                     raise RuntimeError(f"the run did not start training; logs in {folder / 'logs'}")
                 sleep_polling(POLL_SECONDS)
-            sleep_polling(args.warmup_seconds)
-            before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
-            sleep_polling(args.flood_window_seconds)
+            # the publishers start (and idle) before the window the flood is compared with
             schema = run_validator(record, manifest.name)
             publishers = [
                 flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
             ]
+            sleep_polling(args.warmup_seconds)
+            before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            sleep_polling(args.flood_window_seconds)
             flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))

@@ -10,14 +10,16 @@ cores). The population is published once with a lifetime of `--population_ttl_se
 peers renew their own claims every heartbeat, spread over as many machines; one two-core machine
 cannot sign 100,000 claims a minute. Every other cap is the run's.
 
-Measured: the claims each storage node holds (read from its storage), a peer's reads of the shards it
-needs (`ClaimView.of_run`: every shard, because every path shares the trunk) and of one level
+Measured: the distinct claims the storage nodes hold (`claims`, read from their storage; a store
+reaches a node only if its RPC does not time out, so each node holds most, not all), a peer's reads
+of the shards it needs (`ClaimView.of_run`: every shard, because every path shares the trunk) and of one level
 module's shards, the monitor's full poll (`SwarmPoller.poll`), and every reply's size on the wire
 (`rpc_find` to each node, per shard).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -65,7 +67,7 @@ def realistic_claim(key: RSAPrivateKey, token: str, cfg: ModelConfig, path: int,
 async def store_batch(items: list, _dht, node) -> int:
     keys, subkeys, values, expirations = (list(x) for x in zip(*items, strict=True))
     result = await node.store_many(keys, values, expirations, subkeys=subkeys)
-    return sum(bool(ok) for per_key in result.values() for ok in per_key.values())
+    return sum(bool(ok) for ok in result.values())  # by (key, subkey)
 
 
 def publish_population(
@@ -93,11 +95,15 @@ def publish_population(
     return stored, time.perf_counter() - started
 
 
-async def _held(keys: list[str], _dht, node) -> list[int]:
-    out = []
+async def _held(keys: list[str], _dht, node) -> set[bytes]:
+    """What a storage node holds under `keys`: a short digest of each (key, owner) pair."""
+    out = set()
     for key in keys:
         item = node.protocol.storage.get(DHTID.generate(source=key))
-        out.append(len(item.value) if item is not None and hasattr(item.value, "items") else 0)
+        if item is not None and hasattr(item.value, "items"):
+            out.update(
+                hashlib.blake2b(key.encode() + s, digest_size=8).digest() for s, _ in item.value.items()
+            )
     return out
 
 
@@ -124,7 +130,8 @@ def measure_scale(args, creator: RSAPrivateKey, m: RunManifest, record: Manifest
         nodes += publishers
         stored, store_seconds = publish_population(publishers, owners, m, run_id, args.claims, ttl)
         names = [claims_key(m.name, run_id, s) for s in shards]
-        held = [sum(node.run_coroutine(partial(_held, names))) for node in nodes[: args.storage_nodes]]
+        sets = [node.run_coroutine(partial(_held, names)) for node in nodes[: args.storage_nodes]]
+        held = [len(s) for s in sets]
         print(
             f"scale: {stored} stores acknowledged in {store_seconds:.0f} s; held per node {held}", flush=True
         )
@@ -148,7 +155,7 @@ def measure_scale(args, creator: RSAPrivateKey, m: RunManifest, record: Manifest
         monitor_seconds = time.perf_counter() - t
         replies = [size for name in names for size, _ in reply_sizes(reader, name)]
         return {
-            "claims": min(held), "claims_held_per_node": held, "claims_published": args.claims,
+            "claims": len(set().union(*sets)), "claims_held_per_node": held, "claims_published": args.claims,
             "stores_acknowledged": stored, "publish_seconds": round(store_seconds, 1),
             "owner_keys": len(keys), "shards": len(shards), "storage_nodes": args.storage_nodes,
             "grid": f"{m.model.n_levels}x{m.model.modules_per_level}",
