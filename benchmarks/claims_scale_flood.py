@@ -2,9 +2,9 @@
 keys publish claims into its shard.
 
 A real run: `pathswarm bootstrap` serving an invite run's manifest (a 1x1 grid on the built-in
-corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it. A watcher node
-reads the run's claims every `POLL_SECONDS` (the peers' token counters, as the monitor measures
-tokens/s). After a window of training alone, two client-mode publishers join the run's DHT and
+corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it at the default
+heartbeat. The peers' tokens/s in a window come from their own round histories (their checkpoints'
+tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile. After a window of training alone, two client-mode publishers join the run's DHT and
 store one claim for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts
 for a subkey) over a window as long, into the run's storage nodes — the bootstrap node and the
 peers' own — with every cap of a run. `run_tokens_ratio` is the peers' tokens/s in the flood
@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.claims_flood import flooder
 from benchmarks.claims_scale_store import realistic_claim, store_batch
+from benchmarks.goodput import histories, tokens_at
 from benchmarks.local_runs import make_manifest, peer_argv
 from dht.identity import load_identity, peer_id_of_key
 from dht.keys import CLAIM_TTL_SECONDS, claim_shard, claims_key
@@ -51,6 +52,11 @@ def _tokens_per_second(samples: list[tuple[float, int]], start: float, end: floa
     if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
         return 0.0
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def _rate(found: list[list[dict]], start: float, end: float) -> float:
+    """The peers' tokens/s together between two wall times, from their round histories."""
+    return sum(tokens_at(h, end) - tokens_at(h, start) for h in found) / (end - start)
 
 
 def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPrivateKey]) -> dict:
@@ -104,8 +110,10 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
             ]
             sleep_polling(args.warmup_seconds)
             before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            walls = [time.time()]
             sleep_polling(args.flood_window_seconds)
             flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            walls += [time.time(), time.time() + args.flood_window_seconds]
             stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))
             alive = all(swarm.alive(n) for n in PEERS)
@@ -113,15 +121,20 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
             for node in publishers:
                 node.shutdown()
             watcher.shutdown()
-    tps_before = _tokens_per_second(samples, *before)
-    tps_flood = _tokens_per_second(samples, *flood)
+    try:  # the peers' own round history (tokens at each round's end), written at their exit
+        found = [h for h, _ in histories(folder, list(PEERS)).values()]
+        tps_before, tps_flood = (_rate(found, a, b) for a, b in zip(walls, walls[1:], strict=False))
+        measured_by = "round history"
+    except (RuntimeError, ValueError, KeyError):  # too few rounds in a window: the claims' counters
+        tps_before, tps_flood = _tokens_per_second(samples, *before), _tokens_per_second(samples, *flood)
+        measured_by = "claims"
     during = [both for t, both in seen_both if flood[0] <= t <= flood[1]]
     return {
         "keys": len(flood_keys), "stores_acknowledged": stored, "window_seconds": args.flood_window_seconds,
         "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
         "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
-        "peers_alive_after": alive, "run": run,
+        "peers_alive_after": alive, "run": run, "tokens_measured_by": measured_by,
     }  # fmt: skip
 
 
