@@ -4,10 +4,11 @@ keys publish claims into its shard.
 A real run: `pathswarm bootstrap` serving an invite run's manifest (a 1x1 grid on the built-in
 corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it at the default
 heartbeat. The peers' tokens/s in a window come from their own round histories (their checkpoints'
-tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile. After a window of training alone, two client-mode publishers join the run's DHT and
-store one claim for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts
-for a subkey) over a window as long, into the run's storage nodes — the bootstrap node and the
-peers' own — with every cap of a run. `run_tokens_ratio` is the peers' tokens/s in the flood
+tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile.
+After a window of training alone, two client-mode publishers (started before it) store one claim
+for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
+over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
+every cap of a run. `run_tokens_ratio` is the peers' tokens/s in the flood
 window over the window before; `honest_seen_during_flood` is the share of the watcher's reads in
 the flood window that still saw both admitted peers.
 """
