@@ -142,7 +142,7 @@ def measure_scale(args, creator: RSAPrivateKey, m: RunManifest, record: Manifest
         validators = [RememberedValidation([RSASignatureValidator(RSAPrivateKey()), schema])]
         reader = hivemind.DHT(initial_peers=peers, client_mode=True, record_validators=validators, **LOOPBACK)
         nodes.append(reader)
-        view = ClaimView.of_run(m.model, m.name, record)
+        view = ClaimView.of_run(m, record)
         module = ClaimView(m.name, run_id, shards_through(m.model, ["l0m0"]), check.admitted)
         reads, module_reads, seen = [], [], 0
         view.update(reader)  # a peer reads every heartbeat: its first read (opening connections) untimed

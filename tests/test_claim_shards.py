@@ -113,6 +113,26 @@ def test_a_flood_of_free_key_claims_in_one_shard_does_not_hide_the_admitted_clai
         assert max(records for _, records in reply_sizes(swarm.reader, claims_key(run, run_id, 0))) == CAP
 
 
+def test_in_an_invite_run_a_peers_claim_view_holds_no_claim_of_a_key_without_admission():
+    run, creator = "shardinvite", RSAPrivateKey()
+    run_id = "c3" * 32
+    check = AdmissionCheck(run_id, creator.get_public_key().to_bytes())
+    honest = [RSAPrivateKey() for _ in range(2)]
+    flood = [RSAPrivateKey() for _ in range(CAP - 2)]
+    schema = RecordSchemaValidator(run, run_id, admitted=check.admitted, max_claims_per_shard=CAP)
+    with Swarm(schema, honest + flood) as swarm:
+        for key in flood:
+            publish(swarm.flooder, run, run_id, key, claim(key, 0))
+        for key in honest:
+            token = sign_admission(creator, run_id, peer_id_of_key(key), "invite")
+            assert publish(swarm.flooder, run, run_id, key, claim(key, 0, token))
+        # the flood's claims are stored (the shard has room): only the reader leaves them out, as a
+        # peer of an invite run does (ClaimView.of_run), so no averaging group waits for them
+        assert len(live_claims(swarm.reader, run, run_id, GRID.n_paths, check.admitted)) == CAP
+        invite_view = ClaimView(run, run_id, range(GRID.n_paths), check.admitted, only_admitted=True)
+        assert set(invite_view.update(swarm.reader)) == {peer_id_of_key(k) for k in honest}
+
+
 def test_the_monitor_reads_every_claim_shard_of_its_run():
     m, record = small_run()  # a 2x8 grid: 64 paths, 64 shards
     keys = [RSAPrivateKey() for _ in range(m.model.n_paths)]

@@ -26,6 +26,7 @@ from dht.keys import CLAIM_TTL_SECONDS, MAX_CLAIMS_PER_SHARD, claim_shard, claim
 from dht.records import read_keys, store_record
 from dht.schema import ClaimRecord, ManifestRecord
 from dht.shard_store import Admitted
+from peer.config import RunManifest
 from peer.model.grid import TRUNK, ModelConfig, path_from_index, path_module_ids
 from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
@@ -62,14 +63,18 @@ def read_shards(
     run_id: str,
     shards: Iterable[int],
     admitted: Admitted | None = None,
+    only_admitted: bool = False,
 ) -> dict[str, tuple[ClaimRecord, float]]:
     """Unexpired claims (leaving ones included) in `shards`, with their expiry, by peer id. One owner
     key must not speak for several peer ids, and a peer that moved has a claim in its old shard
-    until that expires: the most advanced record per peer id wins, the later one on a tie."""
+    until that expires: the most advanced record per peer id wins, the later one on a tie.
+    `only_admitted`: claims whose admission `admitted` refuses are left out (an invite run)."""
     keys = [claims_key(run_name, run_id, s) for s in shards]
     out: dict[str, tuple[ClaimRecord, float]] = {}
     reader = str(dht.peer_id)
     for key, records in read_keys(dht, keys, ClaimRecord).items():
+        if only_admitted:
+            records = [r for r in records if admitted is not None and admitted(r[0].peer_id, r[0].admission)]
         if len(records) > MAX_CLAIMS_PER_SHARD:
             logger.info(f"{len(records)} claims under {key}; keeping {MAX_CLAIMS_PER_SHARD}")
         for claim, expiry in keep_of_shard(records, reader, admitted):
@@ -91,24 +96,34 @@ def live_claims(
 class ClaimView:
     """Claims as this peer last saw them, from `shards`. A record missing from one DHT read (a
     lookup that came back short) stays until its own expiry, so the view — and the groups planned
-    from it — does not flicker; a peer that announced it is leaving goes at once."""
+    from it — does not flicker; a peer that announced it is leaving goes at once. `only_admitted`
+    keeps only claims that `admitted` accepts."""
 
-    def __init__(self, run_name: str, run_id: str, shards: Iterable[int], admitted: Admitted | None = None):
+    def __init__(
+        self,
+        run_name: str,
+        run_id: str,
+        shards: Iterable[int],
+        admitted: Admitted | None = None,
+        only_admitted: bool = False,
+    ):
         self.run_name, self.run_id = run_name, run_id
         self.shards = list(shards)
-        self.admitted = admitted
+        self.admitted, self.only_admitted = admitted, only_admitted
         self._entries: dict[str, tuple[ClaimRecord, float]] = {}
 
     @classmethod
-    def of_run(cls, cfg: ModelConfig, run_name: str, record: ManifestRecord) -> ClaimView:
+    def of_run(cls, manifest: RunManifest, record: ManifestRecord) -> ClaimView:
         """The view of a peer, keeper or authority of the run of a verified manifest `record`: every
         path shares the trunk, so each of them reads every claim shard (`shards_through`), each one
-        capped, admitted peers' claims first."""
-        shards = shards_through(cfg, [TRUNK])
-        return cls(run_name, record.run_id, shards, AdmissionCheck.of(record).admitted)
+        capped, admitted peers' claims first. In an invite run a key without admission takes part in
+        nothing, so its claim is left out: a flood of such claims names no holder anyone waits for."""
+        shards = shards_through(manifest.model, [TRUNK])
+        invite = manifest.admission.mode == "invite"
+        return cls(manifest.name, record.run_id, shards, AdmissionCheck.of(record).admitted, invite)
 
     def update(self, dht: hivemind.DHT) -> dict[str, ClaimRecord]:
-        found = read_shards(dht, self.run_name, self.run_id, self.shards, self.admitted)
+        found = read_shards(dht, self.run_name, self.run_id, self.shards, self.admitted, self.only_admitted)
         for pid, (claim, expiry) in found.items():
             if claim.leaving:
                 self._entries.pop(pid, None)
