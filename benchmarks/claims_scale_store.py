@@ -157,7 +157,8 @@ def measure_scale(args, creator: RSAPrivateKey, m: RunManifest, record: Manifest
         t = time.perf_counter()
         polled = SwarmPoller(reader, m, record, collector).poll()
         monitor_seconds = time.perf_counter() - t
-        replies = [size for name in names for size, _ in reply_sizes(reader, name)]
+        storers = [node.peer_id for node in nodes[: args.storage_nodes]]
+        replies = [size for name in names for size, _ in reply_sizes(reader, name, storers)]
         return {
             "claims": len(set().union(*sets)), "claims_held_per_node": held, "claims_published": args.claims,
             "stores_acknowledged": stored, "publish_seconds": round(store_seconds, 1),
