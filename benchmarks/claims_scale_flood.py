@@ -88,6 +88,8 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
             check = AdmissionCheck.of(record)
 
             def poll() -> None:
+                if samples and time.monotonic() - samples[-1][0] < POLL_SECONDS:
+                    return  # the same load on the run's nodes in every window
                 claims = live_claims(watcher, manifest.name, run_id, manifest.model.n_paths, check.admitted)
                 now = time.monotonic()
                 samples.append((now, sum(claims[p].tokens_total for p in ids if p in claims)))
