@@ -72,7 +72,8 @@ def _key(bits: int) -> RSAPrivateKey:
 def table(result: dict) -> str:
     s, f = result["scale"], result["flood"]
     rows = [
-        ("claims held by every storage node", f"{s['claims']:,} (published {s['claims_published']:,})"),
+        ("claims in the storage nodes", f"{s['claims']:,} distinct (published {s['claims_published']:,}; "
+         f"each node {min(s['claims_held_per_node']):,} to {max(s['claims_held_per_node']):,})"),
         ("shards / storage nodes / owner keys", f"{s['shards']} / {s['storage_nodes']} / {s['owner_keys']}"),
         ("a peer's read of its shards, p95", f"{s['read_seconds_p95']} s ({s['read_shards']} shards, "
          f"{s['claims_in_peer_view']:,} claims in view)"),
