@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--claims", type=int, default=100_000, help="claims stored in the scale half")
     p.add_argument("--grid", default="4x4", help="levels x modules per level of the scale half's run")
-    p.add_argument("--storage_nodes", type=int, default=4)
+    p.add_argument("--storage_nodes", type=int, default=3)
     p.add_argument("--read_repeats", type=int, default=3, help="a peer's reads timed (p95 over them)")
     p.add_argument("--population_ttl_seconds", type=float, default=1800.0)
     p.add_argument("--flood_keys", type=int, default=10_000, help="fresh keys publishing into the live run")
