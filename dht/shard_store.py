@@ -40,14 +40,11 @@ class SubkeyCap:
         self.cap = cap
         self.admitted = admitted
         self._salt = os.urandom(16)
-        self._ranks: dict[tuple[DHTID, object], tuple[bytes, tuple[bool, bytes]]] = {}
+        self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
 
     def rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
-        """(admitted, salted hash of the owner): higher is kept. Remembered per owner and value."""
-        digest = hashlib.blake2b(value, digest_size=16).digest()
-        known = self._ranks.get((key, subkey))
-        if known is not None and known[0] == digest:
-            return known[1]
+        """(admitted, salted hash of the owner) of a record now being stored: higher is kept.
+        Remembered per owner, so that a full key's lowest rank costs lookups, not decodes."""
         admitted = False
         if self.admitted is not None:
             try:
@@ -57,18 +54,28 @@ class SubkeyCap:
                 admitted = False
         owner = subkey if isinstance(subkey, bytes) else repr(subkey).encode()
         rank = (admitted, hashlib.blake2b(self._salt + owner, digest_size=16).digest())
-        self._ranks[(key, subkey)] = (digest, rank)
-        if len(self._ranks) > MAX_REMEMBERED_RANKS:
-            self._ranks.clear()  # mostly owners long gone; a rank is cheap to recompute
+        if len(self._ranks) >= MAX_REMEMBERED_RANKS:
+            self._ranks.clear()  # mostly owners long gone; a stored record's rank is recomputed
+        self._ranks[(key, subkey)] = rank
         return rank
 
+    def _known_rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
+        known = self._ranks.get((key, subkey))
+        return known if known is not None else self.rank(key, subkey, value)
+
     def make_room(self, key: DHTID, entries: DictionaryDHTValue, subkey, value: bytes) -> bool:
-        """Whether `subkey` may be stored in `entries` now, evicting the lowest ranked if needed."""
+        """Whether `subkey` may be stored in `entries` now, evicting the lowest ranked if needed.
+        Every store ranks its record (its admission may have changed), in O(1) plus, at a full key,
+        one pass over the remembered ranks of the key's records."""
+        new = self.rank(key, subkey, value)
         if subkey in entries or len(entries) < self.cap:
             return True
-        ranked = [(self.rank(key, s, item.value), s) for s, item in entries.items()]
-        worst_rank, worst = min(ranked, key=lambda r: r[0])
-        if self.rank(key, subkey, value) <= worst_rank:
+        worst, worst_rank = None, None
+        for s, item in entries.items():
+            r = self._known_rank(key, s, item.value)
+            if worst_rank is None or r < worst_rank:
+                worst, worst_rank = s, r
+        if new <= worst_rank:
             return False
         del entries[worst]
         return True
@@ -78,7 +85,7 @@ class SubkeyCap:
         items = list(entries.items())
         if len(items) <= self.cap:
             return entries
-        items.sort(key=lambda kv: self.rank(key, kv[0], kv[1].value), reverse=True)
+        items.sort(key=lambda kv: self._known_rank(key, kv[0], kv[1].value), reverse=True)
         out = DictionaryDHTValue()
         for subkey, item in items[: self.cap]:
             out.store(subkey, item.value, item.expiration_time)
