@@ -26,6 +26,7 @@ import hivemind
 from hivemind.dht.protocol import DHTProtocol
 
 from dht import records
+from dht.keys import claim_shards
 from dht.node import start_dht
 from dht.schema import ClaimRecord
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
@@ -111,7 +112,7 @@ def main() -> None:
         modules=path_module_ids(cfg, path_from_index(cfg, path)),
         client_mode=args.client_mode,
     )
-    view = ClaimView(args.run_name, args.run_id)
+    view = ClaimView(args.run_name, args.run_id, claim_shards(cfg.n_paths))
     with open(args.events, "a") as events:
         events.write(json.dumps({"t": time.time(), "started": peer_id}) + "\n")
         events.flush()

@@ -4,8 +4,8 @@ Two measurements, side by side in one run:
 
 * **pipeline** (100, 1,000, 10,000 simulated peers): fully populated `ClaimRecord`s of a 2x8 grid (64
   paths, 4 fragments per module) as the DHT would hand them over (dicts): parse them, keep one per
-  peer under `MAX_CLAIMS_PER_RUN`, build the view, publish it, render `/metrics`, the status JSON and
-  the page. Everything a poll does except the network.
+  peer under `MAX_CLAIMS_PER_SHARD` per claim shard, build the view, publish it, render `/metrics`,
+  the status JSON and the page. Everything a poll does except the network.
 * **dht** (100, 1,000 and 10,000 peers by default): the same claims stored in a real local hivemind
   DHT, each signed by its own 2048-bit RSA key (as every peer's is), and read by the monitor's real
   `SwarmPoller.poll()` from a second, client-mode node: DHT reads per poll and the poll's wall time.
@@ -31,7 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from prometheus_client import generate_latest
 
 from dht.identity import peer_id_of_key
-from dht.keys import MAX_CLAIMS_PER_RUN, claims_key
+from dht.keys import MAX_CLAIM_TTL_SECONDS, MAX_CLAIMS_PER_SHARD, claim_shard, claim_shards, claims_key
 from dht.schema import ClaimRecord, ManifestRecord
 from dht.validators import RecordSchemaValidator
 from monitoring.swarm.exporter import SwarmCollector, make_registry
@@ -41,6 +41,7 @@ from monitoring.swarm.status import status_dict
 from monitoring.swarm.view import build_view, select_claims
 from peer.config import RunManifest
 from peer.model.grid import ModelConfig, all_paths, path_module_ids
+from peer.run.record import sign_manifest
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=8)
 RUN = "monitorcost"
@@ -82,10 +83,7 @@ def claim_for(peer_id: str, i: int, rng: random.Random) -> ClaimRecord:
 
 def manifest() -> tuple[RunManifest, ManifestRecord]:
     m = RunManifest(name=RUN, model=GRID, seq_len=32)
-    record = ManifestRecord(
-        run_id=m.run_id, manifest_json=m.canonical_json(), creator_public_key=b"x", signature=b"x"
-    )
-    return m, record
+    return m, sign_manifest(m, RSAPrivateKey())  # the poller checks admissions against its creator key
 
 
 def time_pipeline(n: int, repeats: int) -> dict:
@@ -166,14 +164,15 @@ def time_dht(sizes: list[int], repeats: int) -> dict[int, dict]:
             initial_peers=[str(a) for a in writer.get_visible_maddrs()], client_mode=True,
             record_validators=[RSASignatureValidator(RSAPrivateKey()), schema], **loopback,
         )  # fmt: skip
-        rng, key, done, ok = random.Random(0), claims_key(RUN, record.run_id), 0, 0
+        rng, done, ok = random.Random(0), 0, 0
         for n in sorted(sizes):
             stored = time.perf_counter()
+            claims = [(k, claim_for(peer_id_of_key(k), done + i, rng)) for i, k in enumerate(keys[done:n])]
             futures = [
-                writer.store(key, subkey=RSASignatureValidator(k).local_public_key,
-                             value=claim_for(peer_id_of_key(k), done + i, rng).model_dump(),
-                             expiration_time=get_dht_time() + 600, return_future=True)
-                for i, k in enumerate(keys[done:n])
+                writer.store(claims_key(RUN, record.run_id, claim_shard(c.path)),
+                             subkey=RSASignatureValidator(k).local_public_key, value=c.model_dump(),
+                             expiration_time=get_dht_time() + MAX_CLAIM_TTL_SECONDS, return_future=True)
+                for k, c in claims
             ]  # fmt: skip
             ok += sum(bool(f.result()) for f in futures)
             store_seconds, done = time.perf_counter() - stored, n
@@ -244,7 +243,8 @@ def plot(result: dict, path: Path) -> None:
             ax.axvspan(
                 min(failed), max(failed), color="red", alpha=0.1, label="DHT read of the claims key fails"
             )
-    ax.axvline(MAX_CLAIMS_PER_RUN, color="grey", ls="--", label=f"MAX_CLAIMS_PER_RUN = {MAX_CLAIMS_PER_RUN}")
+    kept = MAX_CLAIMS_PER_SHARD * len(claim_shards(GRID.n_paths))
+    ax.axvline(kept, color="grey", ls="--", label=f"MAX_CLAIMS_PER_SHARD x shards = {kept}")
     ax.set_xlabel("peers with a live claim")
     ax.set_ylabel("seconds per poll")
     ax.set_title("pathswarm monitor: cost of one poll")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline = [time_pipeline(int(n), args.repeats) for n in args.sizes.split(",")]
     dht = time_dht([int(x) for x in args.dht_sizes.split(",") if x], args.repeats) if args.dht_sizes else {}
     result: dict = {"pipeline": pipeline, "dht": {str(k): v for k, v in dht.items()},
-                    "max_claims_per_run": MAX_CLAIMS_PER_RUN}  # fmt: skip
+                    "max_claims_per_shard": MAX_CLAIMS_PER_SHARD}  # fmt: skip
     (args.out / "monitor_cost.json").write_text(json.dumps(result, indent=1))
     md = table(result)
     (args.out / "monitor_cost.md").write_text(md)

@@ -27,8 +27,18 @@ ROUTER_TTL_SECONDS = 300.0
 #: its departure; the record outlives the peer by its TTL so a monitor polling slowly still sees the end.
 CONTRIBUTION_REPUBLISH_SECONDS = 10.0
 CONTRIBUTION_TTL_SECONDS = 300.0
-#: A reader keeps at most this many claims of one run (a flood of keys cannot grow its memory).
-MAX_CLAIMS_PER_RUN = 4096
+#: A run's claims are spread over this many keys at most, by path (`claim_shard`): a run of fewer
+#: paths has one shard per path. 256 shards of MAX_CLAIMS_PER_SHARD hold 131,072 claims.
+MAX_CLAIM_SHARDS = 256
+#: A DHT node keeps, and a reader keeps of one shard, at most this many claims (dht/shard_store.py
+#: chooses which). With MAX_CLAIM_BYTES per claim plus its owner key and signature (under 5.5 KiB
+#: together, see dht/validators.py) one shard's reply stays under 2.8 MiB, below hivemind's 4 MiB.
+MAX_CLAIMS_PER_SHARD = 512
+#: A claim's record, serialized without its signature, is at most this long (a real one, with an
+#: admission token and 64 path_steps entries, is about 2.3 KiB).
+MAX_CLAIM_BYTES = 4096
+#: A claim is renewed every heartbeat: none may claim to live longer than this.
+MAX_CLAIM_TTL_SECONDS = 2 * CLAIM_TTL_SECONDS
 #: No record may claim to live longer than this (a forged far-future expiry is refused).
 MAX_RECORD_TTL_SECONDS = 600.0
 
@@ -50,10 +60,24 @@ def run_namespace(run_name: str, run_id: str) -> str:
     return f"pathswarm_{check_run_name(run_name)}_{run_id[:16]}"
 
 
-def claims_key(run_name: str, run_id: str) -> str:
-    """Path claims with progress: one record per peer under its owner subkey, renewed by heartbeat;
-    TTL CLAIM_TTL_SECONDS."""
-    return f"{run_namespace(run_name, run_id)}_claims"
+def claim_shard(path: int) -> int:
+    """The shard of a run's claims that holds the claims on `path`."""
+    return path % MAX_CLAIM_SHARDS
+
+
+def claim_shards(n_paths: int) -> range:
+    """Every shard a run of `n_paths` paths uses (one per path, up to MAX_CLAIM_SHARDS)."""
+    return range(min(n_paths, MAX_CLAIM_SHARDS))
+
+
+def claims_key(run_name: str, run_id: str, shard: int) -> str:
+    """Path claims with progress, shard `claim_shard(path)` of the run's: one record per peer under
+    its owner subkey, renewed by heartbeat; TTL CLAIM_TTL_SECONDS. Sharded so that no key holds more
+    than MAX_CLAIMS_PER_SHARD claims on any node: one key for a whole run outgrew hivemind's 4 MiB
+    message at about 3,000 claims."""
+    if not 0 <= shard < MAX_CLAIM_SHARDS:
+        raise ValueError(f"claim shard {shard} is outside 0..{MAX_CLAIM_SHARDS - 1}")
+    return f"{run_namespace(run_name, run_id)}_claims{shard}"
 
 
 def probes_key(run_name: str, run_id: str) -> str:
@@ -92,10 +116,12 @@ def contributions_key(run_name: str, run_id: str) -> str:
 
 
 def run_keys(run_name: str, run_id: str | None) -> dict[str, str]:
-    """Keys whose records have a schema, by record kind; the validator is built from this."""
+    """Keys whose records have a schema, by record kind (`claim<shard>` for each claim shard); the
+    validator is built from this."""
     keys = {"manifest": manifest_key(run_name)}
     if run_id is not None:
-        keys["claim"] = claims_key(run_name, run_id)
+        for shard in range(MAX_CLAIM_SHARDS):
+            keys[f"claim{shard}"] = claims_key(run_name, run_id, shard)
         keys["probe"] = probes_key(run_name, run_id)
         keys["stash"] = stash_key(run_name, run_id)
         keys["artifacts"] = artifacts_key(run_name, run_id)

@@ -20,6 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dht.errors import SwarmError
 from dht.identity import load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
+from dht.shard_store import Admitted
 from dht.startup_errors import explain_start_failure
 from dht.validators import RecordSchemaValidator, RememberedValidation
 
@@ -114,6 +115,7 @@ def start_dht(
     use_auto_relay: bool = False,
     public: bool = False,
     remember_validations: bool = True,
+    admitted: Admitted | None = None,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given).
 
@@ -123,14 +125,15 @@ def start_dht(
     relayed connection (too little for one module's state), and replaces it with its configured
     relay service (4 GiB, 30 minutes) only once AutoNAT finds the node public, which a small swarm
     may never confirm. `remember_validations=False` checks every record in full each time it
-    arrives, as hivemind does (benchmarks/dht_scale.py measures both).
+    arrives, as hivemind does (benchmarks/dht_scale.py measures both). `admitted(peer_id, token)`:
+    the run's admission check, whose admitted peers' claims this node keeps first in a full shard.
     """
     # before anything is made (an identity file, the daemon): a wrong address is the user's to fix
     initial_peers = check_maddrs(initial_peers, "--initial_peers", peer_ids=True)
     key, identity_file = load_identity(identity_path)
     validators: list = [RSASignatureValidator(key)]
     if run_name is not None:
-        validators.append(RecordSchemaValidator(run_name, run_id, max_record_ttl_seconds))
+        validators.append(RecordSchemaValidator(run_name, run_id, max_record_ttl_seconds, admitted))
     kwargs = dict(
         host_maddrs=check_maddrs(host_maddrs, "--host_maddrs"),
         announce_maddrs=check_maddrs(announce_maddrs, "--announce_maddrs") or None,

@@ -8,6 +8,8 @@ another peer is never trusted.
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
 from typing import TypeVar
 
 import hivemind
@@ -46,7 +48,29 @@ def store_record(
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[R]) -> list[tuple[R, float]]:
     """Unexpired records under `key` that parse as `schema`, each with its expiration time."""
-    found = dht.get(key, latest=True, beam_size=SEARCH_BEAM_SIZE)
+    return _parsed(dht.get(key, latest=True, beam_size=SEARCH_BEAM_SIZE), schema)
+
+
+def read_keys(dht: hivemind.DHT, keys: list[str], schema: type[R]) -> dict[str, list[tuple[R, float]]]:
+    """`read_records` of each of `keys`, all looked up at once. One lookup per key, never one request
+    for several keys: a node answers a request in one message, and each key's records are capped to
+    fit one (the claim shards, dht/shard_store.py), not several together."""
+
+    found = dht.run_coroutine(partial(_lookup_each, keys)) if keys else []
+    return {
+        key: [] if isinstance(item, BaseException) else _parsed(item, schema)
+        for key, item in zip(keys, found, strict=True)
+    }
+
+
+async def _lookup_each(keys: list[str], _dht, node) -> list:
+    """Runs in the DHT process (sent there pickled: a module-level function)."""
+    return await asyncio.gather(
+        *(node.get(key, latest=True, beam_size=SEARCH_BEAM_SIZE) for key in keys), return_exceptions=True
+    )
+
+
+def _parsed(found, schema: type[R]) -> list[tuple[R, float]]:
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()

@@ -11,7 +11,9 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_MODULE_ID = re.compile(r"^(trunk|l\d+m\d+|p\d+)$")
+#: a grid has at most 8 levels, 64 modules per level and 4096 paths (peer/model/grid.py): ids of a few
+#: characters, so a padded id ("l000…0m0") cannot make a claim long
+_MODULE_ID = re.compile(r"^(trunk|l[0-9]{1,2}m[0-9]{1,2}|p[0-9]{1,4})\Z")
 _PATH_INDEX = re.compile(r"^\d{1,7}$")
 
 #: a claim's `path_steps` names at most this many paths (a peer keeps its most trained ones there)
@@ -48,9 +50,10 @@ class ManifestRecord(Record):
 
 class ClaimRecord(Record):
     """A peer's claim on a path, with the progress others use for planning and catching up. The
-    validator ties `peer_id` to the key that signed the record."""
+    validator ties `peer_id` to the key that signed the record. Version 3: stored under the claim
+    shard of its path (`dht.keys.claim_shard`), at most `MAX_CLAIM_BYTES` long."""
 
-    version: int = Field(2, ge=2)
+    version: int = Field(3, ge=3)
 
     peer_id: str = Field(min_length=1, max_length=128)
     path: int = Field(ge=0, lt=1 << 20)

@@ -4,8 +4,12 @@ hivemind's `RSASignatureValidator` makes records under an `[owner:...]` subkey w
 holder of that key. `RecordSchemaValidator` adds what it does not check: a record under one of
 pathswarm's keys must sit under an owner subkey, parse as its versioned schema, and not claim to
 live longer than `MAX_RECORD_TTL_SECONDS`, and a record that names a peer (`peer_id`) must be
-signed by that peer's own key. Both run inside the DHT process on every store and on
-every record a get returns, so forged or malformed records never reach the peer.
+signed by that peer's own key. A claim has caps of its own, each checked before it is stored: at most
+`MAX_CLAIM_BYTES` long, an owner key of at most `MAX_OWNER_SUBKEY_BYTES`, at most
+`MAX_CLAIM_EXTRA_FIELDS` fields this release does not know, short module ids (the schema), a lifetime
+of at most `MAX_CLAIM_TTL_SECONDS`, and stored under the shard of its own path; the validator also
+caps how many claims a node keeps per shard (dht/shard_store.py). Both run inside the DHT process on
+every store and on every record a get returns, so forged or malformed records never reach the peer.
 """
 
 from __future__ import annotations
@@ -24,22 +28,69 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic import ValidationError
 
 from dht.identity import owner_peer_id
-from dht.keys import MAX_RECORD_TTL_SECONDS, run_keys
-from dht.schema import SCHEMAS
+from dht.keys import (
+    MAX_CLAIM_BYTES,
+    MAX_CLAIM_TTL_SECONDS,
+    MAX_CLAIMS_PER_SHARD,
+    MAX_RECORD_TTL_SECONDS,
+    claim_shard,
+    run_keys,
+)
+from dht.schema import SCHEMAS, ClaimRecord
+from dht.shard_store import Admitted, SubkeyCap, cap_keys
 
 logger = logging.getLogger(__name__)
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
+#: an owner subkey holds the owner's public key: 2048-bit RSA (every peer's) takes about 390 bytes,
+#: 3072-bit under 600; a larger key would pad every record it signs (and its signature) past the
+#: shard's byte budget
+MAX_OWNER_SUBKEY_BYTES = 640
+#: fields a claim may carry that this release does not know (a newer peer's additions), counted
+#: against MAX_CLAIM_BYTES like every other field
+MAX_CLAIM_EXTRA_FIELDS = 4
+
 
 class RecordSchemaValidator(RecordValidatorBase):
-    """Refuses records under pathswarm's keys that are unowned, malformed or live too long."""
+    """Refuses records under pathswarm's keys that are unowned, malformed, oversize or live too long.
 
-    def __init__(self, run_name: str, run_id: str | None, max_ttl_seconds: float = MAX_RECORD_TTL_SECONDS):
+    `admitted(peer_id, token)` (the run's `AdmissionCheck.admitted`, where the manifest is known)
+    ranks claims from admitted peers first when a node must choose which claims of a shard it keeps
+    (at most `max_claims_per_shard`: tests flood a smaller shard; `max_claim_ttl_seconds`: the
+    claims_scale benchmark publishes 100,000 claims once, which two cores cannot renew every minute)."""
+
+    def __init__(
+        self,
+        run_name: str,
+        run_id: str | None,
+        max_ttl_seconds: float = MAX_RECORD_TTL_SECONDS,
+        admitted: Admitted | None = None,
+        max_claims_per_shard: int = MAX_CLAIMS_PER_SHARD,
+        max_claim_ttl_seconds: float = MAX_CLAIM_TTL_SECONDS,
+    ):
         self.max_ttl_seconds = max_ttl_seconds
-        self._schema_by_key = {
-            DHTID.generate(source=key).to_bytes(): SCHEMAS[kind]
-            for kind, key in run_keys(run_name, run_id).items()
-        }
+        self.max_claim_ttl_seconds = max_claim_ttl_seconds
+        self.admitted = admitted
+        self.max_claims_per_shard = max_claims_per_shard
+        self._schema_by_key = {}
+        self._shard_by_key: dict[bytes, int] = {}
+        for kind, key in run_keys(run_name, run_id).items():
+            key_id = DHTID.generate(source=key).to_bytes()
+            if kind.startswith("claim"):
+                self._schema_by_key[key_id] = ClaimRecord
+                self._shard_by_key[key_id] = int(kind[len("claim") :])
+            else:
+                self._schema_by_key[key_id] = SCHEMAS[kind]
+        self._cap_claims()
+
+    def _cap_claims(self) -> None:
+        if self._shard_by_key:
+            cap_keys(SubkeyCap(list(self._shard_by_key), self.max_claims_per_shard, self.admitted))
+
+    def __setstate__(self, state: dict) -> None:
+        # sent to the DHT process by `add_validators`: its storage caps the claim shards there
+        self.__dict__.update(state)
+        self._cap_claims()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.expiration_time > get_dht_time() + self.max_ttl_seconds:
@@ -51,6 +102,9 @@ class RecordSchemaValidator(RecordValidatorBase):
         if not record.subkey or not _OWNER_RE.search(record.subkey):
             logger.debug("refused a record without an owner subkey")
             return False
+        shard = self._shard_by_key.get(record.key)
+        if shard is not None and not self._claim_fits(record):
+            return False
         try:
             value = MSGPackSerializer.loads(record.value)
             parsed = schema.model_validate(value)
@@ -60,6 +114,31 @@ class RecordSchemaValidator(RecordValidatorBase):
         claimed = getattr(parsed, "peer_id", None)
         if claimed is not None and claimed != owner_peer_id(record.subkey):
             logger.debug(f"refused a {schema.__name__} for {claimed} signed by another key")
+            return False
+        if shard is not None and not self._claim_in_shard(parsed, shard):
+            return False
+        return True
+
+    def _claim_fits(self, record: DHTRecord) -> bool:
+        """A claim's caps that need no parsing: its length, its owner key's, its lifetime."""
+        if len(record.value) > MAX_CLAIM_BYTES:
+            logger.debug(f"refused a claim of {len(record.value)} bytes (cap {MAX_CLAIM_BYTES})")
+            return False
+        if len(record.subkey) > MAX_OWNER_SUBKEY_BYTES:
+            logger.debug(f"refused a claim whose owner key takes {len(record.subkey)} bytes")
+            return False
+        if record.expiration_time > get_dht_time() + self.max_claim_ttl_seconds:
+            logger.debug(f"refused a claim that lives longer than {self.max_claim_ttl_seconds:.0f} s")
+            return False
+        return True
+
+    @staticmethod
+    def _claim_in_shard(claim: ClaimRecord, shard: int) -> bool:
+        if len(claim.model_extra or {}) > MAX_CLAIM_EXTRA_FIELDS:
+            logger.debug(f"refused a claim with {len(claim.model_extra)} unknown fields")
+            return False
+        if claim_shard(claim.path) != shard:
+            logger.debug(f"refused a claim on path {claim.path} stored under claim shard {shard}")
             return False
         return True
 
@@ -72,7 +151,10 @@ class RecordSchemaValidator(RecordValidatorBase):
         if not isinstance(other, RecordSchemaValidator):
             return False
         self._schema_by_key.update(other._schema_by_key)
+        self._shard_by_key.update(other._shard_by_key)
+        self.admitted = other.admitted or self.admitted
         self.max_ttl_seconds = min(self.max_ttl_seconds, other.max_ttl_seconds)
+        self.max_claim_ttl_seconds = min(self.max_claim_ttl_seconds, other.max_claim_ttl_seconds)
         return True
 
 

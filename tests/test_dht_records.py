@@ -40,10 +40,13 @@ def test_claims_round_trip_and_forgery_refused(dht_factory):
     # B writes under A's owner subkey: its signature cannot verify against A's key.
     forged = claim(id_a, path=3).model_dump()
     ok = b.store(
-        claims_key(RUN, RUN_ID), subkey=owner_subkey(key_a), value=forged, expiration_time=get_dht_time() + 20
+        claims_key(RUN, RUN_ID, 3),
+        subkey=owner_subkey(key_a),
+        value=forged,
+        expiration_time=get_dht_time() + 20,
     )
     assert not ok
-    claims = live_claims(reader, RUN, RUN_ID)
+    claims = live_claims(reader, RUN, RUN_ID, 4)
     assert set(claims) == {id_a} and claims[id_a].path == 1
 
 
@@ -57,28 +60,28 @@ def test_a_claim_that_speaks_for_another_peer_is_refused(dht_factory):
     assert not publish_claim(b, key_b, RUN, RUN_ID, claim(id_a, path=2, leaving=True))
     # even a node without our validators that stored it anyway would not fool a reader
     rogue = b.store(
-        claims_key(RUN, RUN_ID),
+        claims_key(RUN, RUN_ID, 0),
         subkey=owner_subkey(key_b),
         value=claim(id_a, leaving=True).model_dump(),
         expiration_time=get_dht_time() + 20,
     )
     assert not rogue
-    claims = live_claims(reader, RUN, RUN_ID)
+    claims = live_claims(reader, RUN, RUN_ID, 4)
     assert set(claims) == {id_a} and not claims[id_a].leaving
 
 
 def test_malformed_and_far_future_records_refused(dht_factory):
     a, key_a = dht_factory(run_name=RUN, run_id=RUN_ID)
     reader, _ = dht_factory(run_name=RUN, run_id=RUN_ID)
-    key = claims_key(RUN, RUN_ID)
+    key = claims_key(RUN, RUN_ID, 0)
     id_a = peer_id_of_key(key_a)
-    bad = dict(version=2, peer_id=id_a, path=-5, modules=["trunk"])
+    bad = dict(version=3, peer_id=id_a, path=-5, modules=["trunk"])
     assert not a.store(key, subkey=owner_subkey(key_a), value=bad, expiration_time=get_dht_time() + 20)
     not_owned = claim(id_a).model_dump()
     assert not a.store(key, subkey=b"plain-subkey", value=not_owned, expiration_time=get_dht_time() + 20)
     far = claim(id_a).model_dump()
     assert not a.store(key, subkey=owner_subkey(key_a), value=far, expiration_time=get_dht_time() + 10_000)
-    assert live_claims(reader, RUN, RUN_ID) == {}
+    assert live_claims(reader, RUN, RUN_ID, 4) == {}
 
 
 def test_expired_claims_disappear(dht_factory):
@@ -88,9 +91,9 @@ def test_expired_claims_disappear(dht_factory):
     # a TTL long enough that a loaded machine still reads the claim before it expires
     published = get_dht_time()
     assert publish_claim(a, key_a, RUN, RUN_ID, claim(id_a), ttl=8.0)
-    assert id_a in live_claims(reader, RUN, RUN_ID)
+    assert id_a in live_claims(reader, RUN, RUN_ID, 4)
     deadline = time.monotonic() + 30
-    while id_a in live_claims(reader, RUN, RUN_ID):
+    while id_a in live_claims(reader, RUN, RUN_ID, 4):
         assert time.monotonic() < deadline, "an expired claim is still read 20 s after its expiry"
         time.sleep(0.5)
     assert get_dht_time() >= published + 8.0 - 0.5  # gone because it expired, not earlier

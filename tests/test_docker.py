@@ -106,7 +106,7 @@ def test_containerized_peer_trains_with_host_peers_and_resumes_after_sigterm(tmp
                 return proc.stdout + proc.stderr
 
             def claim_of(peer_id: str):
-                return live_claims(watcher, RUN, run_id).get(peer_id)
+                return live_claims(watcher, RUN, run_id, 4).get(peer_id)
 
             def peer_id_in(name: str) -> str:
                 joined = re.compile(r"joined run \S+ \(created by key \w+\) as (\w+)")

@@ -259,7 +259,7 @@ def test_a_flood_of_forged_claims_neither_stops_averaging_nor_poisons_a_joiner(t
                     publish_claim(dht, key, RUN, run_id, claim, ttl=60) or time.sleep(1.0) for _ in range(5)
                 )
             watcher = sybils[0]
-            wait_for(lambda: len(live_claims(watcher, RUN, run_id)) >= 8, 30, "the forged claims")
+            wait_for(lambda: len(live_claims(watcher, RUN, run_id, 1)) >= 8, 30, "the forged claims")
             swarm.start_peer("joiner", peer_args(run_id, tmp_path / "joiner", "--max_steps", "30"))
             assert swarm.wait("joiner", timeout=150) == 0, logs_of(swarm, "joiner")
         finally:

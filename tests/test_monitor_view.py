@@ -60,14 +60,18 @@ def test_view_counts_states_holders_orphans_and_lag():
     assert view.grid[2] == {"trunk": 2, "l0m1": 0, "l1m0": 1}
 
 
-def test_claim_view_is_capped_and_keeps_one_claim_per_peer():
+def test_a_flooded_shard_is_capped_per_shard_admitted_claims_first_one_claim_per_peer():
     records = [(claim(f"Qm{i:05d}", 0, ["trunk"]), 1e12) for i in range(50)]
-    records.append((claim("Qm00003", 0, ["trunk"], step=99), 1e12))
-    selected = select_claims(records, cap=10)
-    assert selected.capped and selected.records_read == 51
-    # ten records kept, two of them the same peer's: nine peers
-    assert sorted(selected.claims) == [f"Qm{i:05d}" for i in range(9)]
-    assert selected.claims["Qm00003"].step == 99
+    records += [(claim("QmAdmitted", 0, ["trunk"], step=5, admission="ok"), 1e12)]
+    records += [(claim("QmAdmitted", 0, ["trunk"], step=7, admission="ok"), 2e12)]
+    records += [(claim("QmOtherShard", 1, ["trunk"]), 1e12)]
+    selected = select_claims(records, "monitor", lambda peer, token: token == "ok", cap=10)
+    assert selected.capped and selected.records_read == 53
+    # shard 0 kept 10 records: both of the admitted peer's (one claim, its latest) and 8 others
+    assert selected.claims["QmAdmitted"].step == 7
+    assert len([p for p, c in selected.claims.items() if c.path == 0]) == 9
+    # shard 1 is not crowded out by shard 0's flood
+    assert "QmOtherShard" in selected.claims
 
 
 def test_keepers_count_as_kept_copies_not_holders():

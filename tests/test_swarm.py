@@ -11,16 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dht.keys import claims_key
 from dht.node import start_dht
-from dht.records import read_records
-from dht.schema import ClaimRecord
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
 from peer.codecs.specs import codec_spec
 from peer.model.transformer import PathModel
 from peer.run.record import load_verified_manifest
-from peer.swarm.claims import live_claims
+from peer.swarm.claims import live_claims, read_shards
 from peer.sync.module_sync import ModuleSync
 from tests.swarm_harness import (
     RUN,
@@ -71,7 +68,7 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
             )
 
             def a_round():
-                claims = live_claims(watcher, RUN, run_id)
+                claims = live_claims(watcher, RUN, run_id, 4)
                 return max((c.outer_round for c in claims.values()), default=0) >= 2
 
             wait_for(a_round, 90, "peer a to finish two rounds", swarm)
@@ -177,7 +174,7 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
                 env={"PATHSWARM_FAULTS": "train.step@15=stall:6"},
             )
             wait_for(lambda: list_checkpoints(ckpt), 90, "a first checkpoint", swarm)
-            peer_id = wait_for(lambda: next(iter(live_claims(watcher, RUN, run_id)), None), 30, "a claim")
+            peer_id = wait_for(lambda: next(iter(live_claims(watcher, RUN, run_id, 4)), None), 30, "a claim")
             time.sleep(1.0)
             swarm.kill("p", signal.SIGTERM)
             started = time.monotonic()
@@ -185,12 +182,12 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
             assert time.monotonic() - started < 30
 
             def leaving_claim():
-                records = read_records(watcher, claims_key(RUN, run_id), ClaimRecord)
-                return [c for c, _ in records if c.peer_id == peer_id and c.leaving]
+                found = read_shards(watcher, RUN, run_id, range(4)).get(peer_id)
+                return found is not None and found[0].leaving
 
             # others stop counting on it at once instead of waiting for its claim to expire
             assert wait_for(leaving_claim, 10, "the leaving claim", swarm)
-            assert peer_id not in live_claims(watcher, RUN, run_id)
+            assert peer_id not in live_claims(watcher, RUN, run_id, 4)
         finally:
             watcher.shutdown()
     steps = [i.step for i in list_checkpoints(ckpt) if i.complete]

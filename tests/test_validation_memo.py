@@ -32,7 +32,7 @@ class CountingSignatures(RSASignatureValidator):
 def signed(memo: RememberedValidation, key: RSAPrivateKey, value: dict, expiry: float) -> DHTRecord:
     owner = RSASignatureValidator(key).local_public_key
     record = DHTRecord(
-        key=DHTID.generate(source=claims_key(RUN, RUN_ID)).to_bytes(),
+        key=DHTID.generate(source=claims_key(RUN, RUN_ID, 0)).to_bytes(),
         subkey=MSGPackSerializer.dumps(owner),
         value=MSGPackSerializer.dumps(value),
         expiration_time=expiry,

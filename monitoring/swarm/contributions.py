@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dht.keys import MAX_CLAIMS_PER_RUN
 from dht.schema import ClaimRecord, ContributionRecord
 from peer.run.admission import AdmissionCheck
 from peer.run.contribution import check_contribution
 
 #: peers whose latest record the board keeps, departed ones included (the most recently signed stay)
-MAX_REMEMBERED_PEERS = MAX_CLAIMS_PER_RUN
+MAX_REMEMBERED_PEERS = 4096
 
 
 @dataclass

@@ -133,7 +133,7 @@ class SwarmCollector:
         )
         yield GaugeMetricFamily(
             "pathswarm_monitor_claims_capped",
-            "1 when the run had more claims than a reader keeps (dht.keys.MAX_CLAIMS_PER_RUN).",
+            "1 when a claim shard had more claims than a reader keeps (dht.keys.MAX_CLAIMS_PER_SHARD).",
             int(v.claims_capped),
         )
         g = GaugeMetricFamily(

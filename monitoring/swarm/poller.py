@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import hivemind
 
-from dht.keys import claims_key, contributions_key, manifest_key, stash_key
+from dht.keys import claim_shards, claims_key, contributions_key, manifest_key, stash_key
 from dht.records import read_records
 from dht.schema import ClaimRecord, ContributionRecord, ManifestRecord, StashRecord
 from monitoring.swarm.contributions import ContributionBoard
 from monitoring.swarm.exporter import SwarmCollector
 from monitoring.swarm.rates import MeasuredRates
-from monitoring.swarm.view import SwarmView, build_view, select_claims
+from monitoring.swarm.view import SwarmView, build_view, select_shards
 from peer.config import RunManifest
 from peer.errors import SwarmError
 from peer.run.admission import AdmissionCheck
@@ -93,34 +93,41 @@ class SwarmPoller:
         #: the peers' tokens/s, measured from their counters over this monitor's clock
         self.rates = MeasuredRates()
         #: every volunteer's verified contribution over the run, remembered after it leaves
-        self.board = ContributionBoard(self.run_id, AdmissionCheck.of(record))
+        self.admission = AdmissionCheck.of(record)
+        self.board = ContributionBoard(self.run_id, self.admission)
+        self._reads = 0
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _claim_shards(self):
+        """Each claim shard's records, read one shard at a time (each reply bounded, and only the
+        kept claims of the shards read so far held); counts each read in `self._reads`."""
+        for shard in claim_shards(self.manifest.model.n_paths):
+            self._reads += 1
+            yield read_records(self.dht, claims_key(self.manifest.name, self.run_id, shard), ClaimRecord)
+
     def poll(self) -> SwarmView:
-        """One cycle: three DHT reads (claims, stash, contributions), the view, the exporter and the
-        history updated."""
+        """One cycle: the DHT reads (each claim shard, stash, contributions), the view, the exporter
+        and the history updated."""
         started = time.perf_counter()
-        name, reads = self.manifest.name, 0
+        name, self._reads = self.manifest.name, 0
         try:
-            reads += 1
-            records = read_records(self.dht, claims_key(name, self.run_id), ClaimRecord)
-            reads += 1
+            selected = select_shards(self._claim_shards(), str(self.dht.peer_id), self.admission.admitted)
+            self._reads += 1
             stash = [r for r, _ in read_records(self.dht, stash_key(name, self.run_id), StashRecord)]
-            reads += 1
+            self._reads += 1
             found = read_records(self.dht, contributions_key(name, self.run_id), ContributionRecord)
         except Exception:
-            self.collector.poll_failed(reads)
+            self.collector.poll_failed(self._reads)
             raise
-        selected = select_claims(records)
         counters = {p: c.tokens_total for p, c in selected.claims.items()}
         rates = self.rates.update(time.monotonic(), counters)
         view = build_view(name, self.run_id, self.manifest.model, selected, stash, rates)
         view.contributions = self.board.update([r for r, _ in found], selected.claims)
         view.contributions_rejected = dict(self.board.rejected)
         seconds = time.perf_counter() - started
-        self.collector.publish(view, seconds, reads)
+        self.collector.publish(view, seconds, self._reads)
         spread = max(view.module_round_spread.values(), default=0)
         with self._lock:
             self.view = view

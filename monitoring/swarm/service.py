@@ -70,9 +70,9 @@ def run_monitor(options: MonitorOptions, stop: threading.Event) -> None:
     metrics_server = status = poller = None
     try:
         manifest, record = find_manifest(dht, name, pin, options.manifest_timeout_seconds)
-        from dht.validators import RecordSchemaValidator
+        from peer.run.admission import run_validator
 
-        dht.add_validators([RecordSchemaValidator(name, record.run_id)])
+        dht.add_validators([run_validator(record, name)])
         logger.info(f"monitoring run {name}@{record.run_id[:16]}")
         collector = SwarmCollector(options.max_peer_series)
         poller = SwarmPoller(dht, manifest, record, collector, options.interval_seconds)

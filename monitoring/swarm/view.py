@@ -1,7 +1,8 @@
 """The swarm as one picture, computed from the run's claims: no DHT, no clock, no I/O.
 
-`select_claims` turns the records read under a run's claims key into one claim per peer (bounded by
-`MAX_CLAIMS_PER_RUN`, so a flood of keys cannot grow the monitor's memory); `build_view` turns those
+`select_shards` turns the records read under a run's claim shards, one shard at a time, into one claim
+per peer (at most `MAX_CLAIMS_PER_SHARD` of each shard, chosen as every peer chooses them, so a flood
+of keys cannot grow the monitor's memory); `build_view` turns those
 claims and the run's grid into a `SwarmView`: peers by state, holders per path and module, modules
 down to their last holder or orphaned, fragment lag, throughput, loss, sync outcomes and bad parts.
 Every number here is what peers *claim* about themselves, except the tokens/s, which the monitor
@@ -12,10 +13,13 @@ decides nothing.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dht.keys import MAX_CLAIMS_PER_RUN
+from dht.claim_choice import keep_of_shard
+from dht.keys import MAX_CLAIMS_PER_SHARD, claim_shard
 from dht.schema import ClaimRecord, StashRecord
+from dht.shard_store import Admitted
 from monitoring.metrics import BAD_PART_REASONS, OUTCOMES
 from monitoring.swarm.contributions import ContributionRow
 from peer.model.grid import ModelConfig, all_module_ids, all_paths, path_module_ids
@@ -44,16 +48,37 @@ class Selected:
     capped: bool
 
 
-def select_claims(records: list[tuple[ClaimRecord, float]], cap: int = MAX_CLAIMS_PER_RUN) -> Selected:
-    """One claim per peer id (the most advanced step wins), from at most `cap` records taken in a
-    stable order (by peer id), as every pathswarm reader does."""
-    kept = sorted(records, key=lambda r: r[0].peer_id)[:cap] if len(records) > cap else records
-    out: dict[str, ClaimRecord] = {}
-    for claim, _expiry in kept:
-        previous = out.get(claim.peer_id)
-        if previous is None or claim.step >= previous.step:
-            out[claim.peer_id] = claim
-    return Selected(out, len(records), len(records) > cap)
+def select_shards(
+    shards: Iterable[list[tuple[ClaimRecord, float]]],
+    reader: str = "",
+    admitted: Admitted | None = None,
+    cap: int = MAX_CLAIMS_PER_SHARD,
+) -> Selected:
+    """One claim per peer id (the most advanced step wins, the later on a tie), from at most `cap`
+    records of each shard, chosen as every pathswarm reader chooses them (`keep_of_shard`). `shards`
+    may be a generator reading one shard at a time: only the kept records are held."""
+    out: dict[str, tuple[ClaimRecord, float]] = {}
+    read, capped = 0, False
+    for records in shards:
+        read, capped = read + len(records), capped or len(records) > cap
+        for claim, expiry in keep_of_shard(records, reader, admitted, cap):
+            previous = out.get(claim.peer_id)
+            if previous is None or (claim.step, expiry) >= (previous[0].step, previous[1]):
+                out[claim.peer_id] = (claim, expiry)
+    return Selected({pid: c for pid, (c, _) in out.items()}, read, capped)
+
+
+def select_claims(
+    records: list[tuple[ClaimRecord, float]],
+    reader: str = "",
+    admitted: Admitted | None = None,
+    cap: int = MAX_CLAIMS_PER_SHARD,
+) -> Selected:
+    """`select_shards` of records read together, grouped by the shard of each claim's path."""
+    by_shard: dict[int, list[tuple[ClaimRecord, float]]] = defaultdict(list)
+    for record in records:
+        by_shard[claim_shard(record[0].path)].append(record)
+    return select_shards(by_shard.values(), reader, admitted, cap)
 
 
 @dataclass

@@ -122,7 +122,16 @@ def run_demo(
                      "--checkpoint_dir", str(workdir / name), "--torch_threads", "1",
                      "--heartbeat_seconds", "2", "--wait_for_peers", str(n_peers)],
                 )  # fmt: skip
-            _show_progress(swarm, names, watcher, record.run_id, rounds, started + timeout_seconds, workdir)
+            _show_progress(
+                swarm,
+                names,
+                watcher,
+                record.run_id,
+                manifest.model.n_paths,
+                rounds,
+                started + timeout_seconds,
+                workdir,
+            )
             codes = {n: swarm.procs[n].returncode for n in names}
         finally:
             watcher.shutdown()
@@ -144,7 +153,7 @@ def run_demo(
 
 
 def _show_progress(
-    swarm, names: list[str], watcher, run_id: str, rounds: int, deadline: float, workdir: Path
+    swarm, names: list[str], watcher, run_id: str, n_paths: int, rounds: int, deadline: float, workdir: Path
 ):
     """A progress bar of the peers' outer rounds (read from their claims) until every peer exited, or
     one failed (the others would wait for it)."""
@@ -159,7 +168,7 @@ def _show_progress(
                 return  # stop now and show why
             if time.monotonic() > deadline:
                 raise TimeoutError(f"demo did not finish in time (logs in {workdir})")
-            claims = live_claims(watcher, RUN_NAME, run_id)
+            claims = live_claims(watcher, RUN_NAME, run_id, n_paths)
             progress = sum(min(c.outer_round, rounds) for c in claims.values())
             if progress > done:
                 bar.update(progress - done)

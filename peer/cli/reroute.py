@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from dht.identity import load_identity
 from dht.node import LOOPBACK_MADDRS, start_dht
-from dht.validators import RecordSchemaValidator
 from peer.artifacts.store import ArtifactStore, require_artifact
 from peer.artifacts.transfer import ArtifactService
 from peer.codecs.formats import make_codec
@@ -41,7 +40,7 @@ from peer.model.router import Router, discriminative_relabel, share_ratio
 from peer.model.transformer import GridModel
 from peer.offline.evaluation import score_documents
 from peer.offline.grid_checkpoints import assemble_grid, read_checkpoints
-from peer.run.admission import AdmissionCheck
+from peer.run.admission import AdmissionCheck, run_validator
 from peer.run.create import router_artifact
 from peer.run.rebuild import check_tokenizer, router_of
 from peer.run.record import load_verified_manifest
@@ -115,7 +114,7 @@ def _donors(manifest: RunManifest, dht, run_id: str, wait_seconds: float, seen: 
     read go into `seen` (their admission tokens give the holders' standing)."""
     deadline = time.monotonic() + wait_seconds
     while True:
-        claims = live_claims(dht, manifest.name, run_id)
+        claims = live_claims(dht, manifest.name, run_id, manifest.model.n_paths)
         seen.clear()
         seen.update(claims)
         ranked: dict[str, list[tuple[int, str]]] = {}
@@ -245,7 +244,7 @@ def _wait_for_round(dht, manifest: RunManifest, run_id: str, at_round: int) -> N
     """Waits until the swarm's round (the most advanced claim's) reaches `at_round`."""
     said = -1
     while True:
-        claims = live_claims(dht, manifest.name, run_id)
+        claims = live_claims(dht, manifest.name, run_id, manifest.model.n_paths)
         now = max((c.outer_round for c in claims.values()), default=0)
         if now >= at_round:
             return
@@ -277,7 +276,7 @@ def reroute(o: RerouteOptions) -> RerouteResult:
     )
     artifacts: ArtifactService | None = None
     try:
-        dht.add_validators([RecordSchemaValidator(manifest.name, record.run_id)])
+        dht.add_validators([run_validator(record, manifest.name)])
         # the router now in use: the latest version (in the DHT or written here before), else the manifest's
         previous = [
             v
@@ -314,7 +313,7 @@ def reroute(o: RerouteOptions) -> RerouteResult:
                 "(--force publishes it anyway)"
             )
         ref = router_artifact(json.loads(new.to_json()), store)
-        claims = live_claims(dht, manifest.name, record.run_id)
+        claims = live_claims(dht, manifest.name, record.run_id, manifest.model.n_paths)
         swarm_round = (
             paused_round if o.checkpoints else max((c.outer_round for c in claims.values()), default=0)
         )
@@ -368,7 +367,7 @@ def _serve_until_switched(
             published_at = time.monotonic()
         artifacts.publish(dht, key, manifest.name, record.run_id)  # renewed every REPUBLISH_SECONDS
         found = latest_router_version(dht, manifest.name, record)
-        peers = len(live_claims(dht, manifest.name, record.run_id))
+        peers = len(live_claims(dht, manifest.name, record.run_id, manifest.model.n_paths))
         switched = found[2] - 1 if found and found[0].router_version == signed.router_version else 0
         if switched != said:
             said = switched

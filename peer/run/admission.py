@@ -18,7 +18,8 @@ An admission is a small JSON payload (run, peer id, how it was earned, when) and
 signature over its sha256, as one printable token. Peers carry their token in their claim, in every
 outer gradient's header and in every signed report, so every member of a round sees the same
 standing for every sender and decides alike. Only the manifest's creator key signs admissions: it is
-the key every peer already trusts with the run itself.
+the key every peer already trusts with the run itself. A node's DHT validator ranks admitted peers'
+claims first where a claim shard is full (`run_validator`, dht/shard_store.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dht.identity import peer_id_of_owner
-from dht.schema import MAX_ADMISSION_TOKEN_CHARS
+from dht.schema import MAX_ADMISSION_TOKEN_CHARS, ManifestRecord
+from dht.validators import RecordSchemaValidator
 
 
 class Admission(BaseModel):
@@ -132,3 +134,9 @@ def solve_pow(run_id: str, peer_id: str, bits: int) -> int:
     while not pow_ok(run_id, peer_id, nonce, bits):
         nonce += 1
     return nonce
+
+
+def run_validator(record: ManifestRecord, run_name: str) -> RecordSchemaValidator:
+    """The validator of a run's records for a node that verified its manifest `record`: its claim
+    shards keep admitted peers' claims first when full."""
+    return RecordSchemaValidator(run_name, record.run_id, admitted=AdmissionCheck.of(record).admitted)

@@ -204,7 +204,8 @@ def start_authority(
 ) -> tuple[AdmissionAuthority, SyncService | None]:
     """The authority of a run on the creator's node: on `service` (a keeper's) or a sync service of
     its own, which it returns for the caller to shut down."""
-    view, claims = ClaimView(manifest.name, record.run_id), {}
+    view = ClaimView.of_run(manifest, record)
+    claims: dict[str, ClaimRecord] = {}
 
     def read_claims() -> dict[str, ClaimRecord]:
         with dht_lock:

@@ -1,23 +1,34 @@
 """Path claims: who trains which path, renewed by heartbeat, and the choice of a path to claim.
 
-A claim is a `ClaimRecord` under the run's claims key and the claimant's owner subkey (so nobody
-can overwrite another peer's claim), with a TTL of `CLAIM_TTL_SECONDS`: a peer that stops
-heartbeating simply disappears from the swarm's view.
+A claim is a `ClaimRecord` under the claim shard of its path (`dht.keys.claims_key`) and the
+claimant's owner subkey (so nobody can overwrite another peer's claim), with a TTL of
+`CLAIM_TTL_SECONDS`: a peer that stops heartbeating simply disappears from the swarm's view.
+
+A reader reads the shards of the paths it cares about (`shards_through`: every shard for a holder of
+the trunk, which every path shares), each in its own bounded lookup, and keeps at most
+`MAX_CLAIMS_PER_SHARD` claims of a shard: admitted peers' first (a creator's signature costs what a
+key does not), then a sample by a hash of (reader, claimant), so that readers keep different samples
+and no key is chosen first by all of them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 
 import hivemind
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.keys import CLAIM_TTL_SECONDS, MAX_CLAIMS_PER_RUN, claims_key
-from dht.records import read_records, store_record
-from dht.schema import ClaimRecord
-from peer.model.grid import ModelConfig
+from dht.claim_choice import keep_of_shard
+from dht.keys import CLAIM_TTL_SECONDS, MAX_CLAIMS_PER_SHARD, claim_shard, claim_shards, claims_key
+from dht.records import read_keys, store_record
+from dht.schema import ClaimRecord, ManifestRecord
+from dht.shard_store import Admitted
+from peer.config import RunManifest
+from peer.model.grid import TRUNK, ModelConfig, path_from_index, path_module_ids
+from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
 
 logger = logging.getLogger(__name__)
@@ -31,47 +42,104 @@ def publish_claim(
     claim: ClaimRecord,
     ttl: float = CLAIM_TTL_SECONDS,
 ) -> bool:
-    return store_record(dht, claims_key(run_name, run_id), key, claim, ttl)
+    return store_record(dht, claims_key(run_name, run_id, claim_shard(claim.path)), key, claim, ttl)
 
 
-def _read(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, tuple[ClaimRecord, float]]:
-    """Unexpired claims (leaving ones included) with their expiry, by peer id; one owner key must
-    not speak for several peer ids, so the most advanced record per peer id wins."""
+def shards_through(cfg: ModelConfig, modules: Iterable[str]) -> list[int]:
+    """The claim shards of every path through any of `modules` (all of them for the trunk)."""
+    wanted = set(modules)
+    return sorted(
+        {
+            claim_shard(p)
+            for p in range(cfg.n_paths)
+            if wanted.intersection(path_module_ids(cfg, path_from_index(cfg, p)))
+        }
+    )
+
+
+def read_shards(
+    dht: hivemind.DHT,
+    run_name: str,
+    run_id: str,
+    shards: Iterable[int],
+    admitted: Admitted | None = None,
+    only_admitted: bool = False,
+) -> dict[str, tuple[ClaimRecord, float]]:
+    """Unexpired claims (leaving ones included) in `shards`, with their expiry, by peer id. One owner
+    key must not speak for several peer ids, and a peer that moved has a claim in its old shard
+    until that expires: the most advanced record per peer id wins, the later one on a tie.
+    `only_admitted`: claims whose admission `admitted` refuses are left out (an invite run)."""
+    keys = [claims_key(run_name, run_id, s) for s in shards]
     out: dict[str, tuple[ClaimRecord, float]] = {}
-    records = read_records(dht, claims_key(run_name, run_id), ClaimRecord)
-    if len(records) > MAX_CLAIMS_PER_RUN:
-        # a flood of keys can publish any number of claims: the view keeps a bounded, stable share
-        logger.warning(f"{len(records)} claims in run {run_name}; keeping {MAX_CLAIMS_PER_RUN}")
-        records = sorted(records, key=lambda r: r[0].peer_id)[:MAX_CLAIMS_PER_RUN]
-    for claim, expiry in records:
-        previous = out.get(claim.peer_id)
-        if previous is None or claim.step >= previous[0].step:
-            out[claim.peer_id] = (claim, expiry)
+    reader = str(dht.peer_id)
+    for key, records in read_keys(dht, keys, ClaimRecord).items():
+        if only_admitted:
+            records = [r for r in records if admitted is not None and admitted(r[0].peer_id, r[0].admission)]
+        if len(records) > MAX_CLAIMS_PER_SHARD:
+            logger.info(f"{len(records)} claims under {key}; keeping {MAX_CLAIMS_PER_SHARD}")
+        for claim, expiry in keep_of_shard(records, reader, admitted):
+            previous = out.get(claim.peer_id)
+            if previous is None or (claim.step, expiry) >= (previous[0].step, previous[1]):
+                out[claim.peer_id] = (claim, expiry)
     return out
 
 
-def live_claims(dht: hivemind.DHT, run_name: str, run_id: str) -> dict[str, ClaimRecord]:
-    """Claims of peers that are present (unexpired, not leaving), by peer id."""
-    return {pid: c for pid, (c, _) in _read(dht, run_name, run_id).items() if not c.leaving}
+def live_claims(
+    dht: hivemind.DHT, run_name: str, run_id: str, n_paths: int, admitted: Admitted | None = None
+) -> dict[str, ClaimRecord]:
+    """Claims of peers that are present (unexpired, not leaving) in every shard of a run of
+    `n_paths` paths, by peer id."""
+    found = read_shards(dht, run_name, run_id, claim_shards(n_paths), admitted)
+    return {pid: c for pid, (c, _) in found.items() if not c.leaving}
 
 
 class ClaimView:
-    """Claims as this peer last saw them. A record missing from one DHT read (a lookup that came
-    back short) stays until its own expiry, so the view — and the groups planned from it — does not
-    flicker; a peer that announced it is leaving goes at once."""
+    """Claims as this peer last saw them, from `shards`. A record missing from one DHT read (a
+    lookup that came back short) stays until its own expiry, so the view — and the groups planned
+    from it — does not flicker; a peer that announced it is leaving goes at once. `only_admitted`
+    keeps only claims that `admitted` accepts."""
 
-    def __init__(self, run_name: str, run_id: str):
+    def __init__(
+        self,
+        run_name: str,
+        run_id: str,
+        shards: Iterable[int],
+        admitted: Admitted | None = None,
+        only_admitted: bool = False,
+    ):
         self.run_name, self.run_id = run_name, run_id
+        self.shards = list(shards)
+        self.admitted, self.only_admitted = admitted, only_admitted
         self._entries: dict[str, tuple[ClaimRecord, float]] = {}
 
+    @classmethod
+    def of_run(cls, manifest: RunManifest, record: ManifestRecord) -> ClaimView:
+        """The view of a peer, keeper or authority of the run of a verified manifest `record`: every
+        path shares the trunk, so each of them reads every claim shard (`shards_through`), each one
+        capped, admitted peers' claims first. In an invite run a key without admission takes part in
+        nothing, so its claim is left out: a flood of such claims names no holder anyone waits for."""
+        shards = shards_through(manifest.model, [TRUNK])
+        invite = manifest.admission.mode == "invite"
+        return cls(manifest.name, record.run_id, shards, AdmissionCheck.of(record).admitted, invite)
+
     def update(self, dht: hivemind.DHT) -> dict[str, ClaimRecord]:
-        for pid, (claim, expiry) in _read(dht, self.run_name, self.run_id).items():
+        found = read_shards(dht, self.run_name, self.run_id, self.shards, self.admitted, self.only_admitted)
+        for pid, (claim, expiry) in found.items():
             if claim.leaving:
                 self._entries.pop(pid, None)
             else:
                 self._entries[pid] = (claim, expiry)
         now = get_dht_time()
         self._entries = {pid: e for pid, e in self._entries.items() if e[1] >= now}
+        by_shard: dict[int, list[tuple[ClaimRecord, float]]] = {}
+        for entry in self._entries.values():
+            by_shard.setdefault(claim_shard(entry[0].path), []).append(entry)
+        if any(len(entries) > MAX_CLAIMS_PER_SHARD for entries in by_shard.values()):
+            # reads from different nodes return different samples of a flooded shard: the view
+            # stays within the same cap per shard as one read
+            reader = str(dht.peer_id)
+            kept = [e for es in by_shard.values() for e in keep_of_shard(es, reader, self.admitted)]
+            self._entries = {claim.peer_id: (claim, expiry) for claim, expiry in kept}
         return {pid: c for pid, (c, _) in self._entries.items()}
 
 

@@ -98,7 +98,7 @@ class Keeper:
         self.numels = {mid: state_numels(manifest, mid) for mid in all_module_ids(manifest.model)}
         self.states: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self.history = StateHistory()
-        self._claims = ClaimView(self.run_name, self.run_id)
+        self._claims = ClaimView.of_run(manifest, record)
         #: the claims as last read (whose tokens give standing)
         self.claims: dict[str, ClaimRecord] = {}
         self._dht_lock = dht_lock or threading.Lock()

@@ -108,7 +108,7 @@ class Membership:
         self.claims: dict[str, ClaimRecord] = {}
         self.snapshot = None
         self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
-        self._claim_view = ClaimView(self.run_name, self.run_id)
+        self._claim_view = ClaimView.of_run(manifest, record)
         self._probes: dict[str, ProbeRecord] = {}
         self._probe_record: ProbeRecord | None = None
         self._path_parameters = path_parameters(manifest)

@@ -28,7 +28,6 @@ import torch
 
 from dht.schema import ManifestRecord
 from dht.serve_limits import ServeLimits
-from dht.validators import RecordSchemaValidator
 from monitoring.metrics import PeerMetrics
 from peer import __version__
 from peer.artifacts.transfer import ArtifactService
@@ -40,6 +39,7 @@ from peer.faults import fault_point
 from peer.model.base import ModuleStates, base_modules
 from peer.model.grid import parse_path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
+from peer.run.admission import run_validator
 from peer.run.rebuild import check_tokenizer
 from peer.seeding import stable_seed
 from peer.swarm.admission import obtain_admission
@@ -125,7 +125,7 @@ class Peer:
         logger.info(self.reachability.message)
         self.manifest, self.record = join_run(self.dht, self.key, cfg, self.peer_id)
         self.run_id = self.record.run_id
-        self.dht.add_validators([RecordSchemaValidator(cfg.run_name, self.run_id)])
+        self.dht.add_validators([run_validator(self.record, cfg.run_name)])
         check_memory(self.manifest, cfg, self.device)
         self._data_root = check_data(self.manifest, cfg)
         found = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id, self.serve_limits)

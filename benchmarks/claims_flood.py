@@ -1,0 +1,66 @@
+"""Flooding a run's claim shards and measuring what a lookup of one shard really carries.
+
+Shared by `benchmarks.claims_scale` and tests/test_claim_shards.py:
+
+* `flooder`: a real hivemind DHT node that signs each record with the key of the owner it is stored
+  under (`ManyOwners`), so one process publishes the claims of thousands of keys as their own nodes
+  would — the stores, the signature checks and the storage caps on the receiving nodes are real;
+* `reply_sizes`: one `rpc_find` of a key to each node the asker knows nearest to it (or to given
+  nodes), as hivemind's own lookups send it, with the serialized size of every reply and how many
+  records it held.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.proto import dht_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.monitor_cost import ManyOwners
+from dht.validators import RecordSchemaValidator
+
+#: the benchmark's own nodes wait longer than hivemind's 3 s for an RPC: on a loaded machine a node
+#: that misses 3 s is dropped from the asker's routing table, and lookups then miss its records
+LOOPBACK = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, start=True, wait_timeout=15.0)
+
+
+def flooder(keys: list[RSAPrivateKey], schema: RecordSchemaValidator, peers: list[str], **kw) -> hivemind.DHT:
+    """A DHT node that stores records under any of `keys`' owner subkeys, signed by that key."""
+    return hivemind.DHT(initial_peers=peers, record_validators=[ManyOwners(keys), schema], **LOOPBACK, **kw)
+
+
+def storage_node(schema: RecordSchemaValidator, initial_peers: list[str] | None = None, **kw) -> hivemind.DHT:
+    """A DHT node that stores and serves the run's records under `schema` (its caps included)."""
+    validators = [RSASignatureValidator(RSAPrivateKey()), schema]
+    return hivemind.DHT(initial_peers=initial_peers, record_validators=validators, **LOOPBACK, **kw)
+
+
+async def _reply_sizes(key: str, timeout: float, peers: list | None, _dht, node) -> list[tuple[int, int]]:
+    key_id = DHTID.generate(source=key)
+    protocol = node.protocol
+    if peers is None:
+        peers = [p for _, p in protocol.routing_table.get_nearest_neighbors(key_id, k=protocol.bucket_size)]
+    out = []
+    for peer_id in peers:
+        request = dht_pb2.FindRequest(keys=[key_id.to_bytes()], peer=protocol.node_info)
+        try:
+            response = await protocol.get_stub(peer_id).rpc_find(request, timeout=timeout)
+        except Exception:  # a node that cannot answer sends no reply to measure
+            continue
+        result = response.results[0]
+        found = result.type == dht_pb2.FOUND_DICTIONARY
+        out.append((response.ByteSize(), len(MSGPackSerializer.loads(result.value)) if found else 0))
+    return out
+
+
+def reply_sizes(
+    dht: hivemind.DHT, key: str, peers: list | None = None, timeout: float = 30.0
+) -> list[tuple[int, int]]:
+    """(bytes, records) of each reply to a lookup of `key` asked of `peers` (hivemind PeerIDs; by
+    default the nodes `dht` knows nearest to the key)."""
+    return dht.run_coroutine(partial(_reply_sizes, key, timeout, peers))

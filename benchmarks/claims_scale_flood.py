@@ -1,0 +1,161 @@
+"""The flood half of `benchmarks.claims_scale`: a live small run's training while thousands of fresh
+keys publish claims into its shard.
+
+A real run: `pathswarm bootstrap` serving an invite run's manifest (a 1x1 grid on the built-in
+corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it at the default
+heartbeat. The peers' tokens/s in a window come from their own round histories (their checkpoints'
+tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile.
+After a window of training alone, two client-mode publishers (started before it) store one claim
+for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
+over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
+every cap of a run. `run_tokens_ratio` is the peers' tokens/s in the flood
+window over the window before; `honest_seen_during_flood` is the share of the watcher's reads in
+the flood window that still saw both admitted peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from functools import partial
+from pathlib import Path
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.claims_flood import flooder
+from benchmarks.claims_scale_store import realistic_claim, store_batch
+from benchmarks.goodput import histories, tokens_at
+from benchmarks.local_runs import make_manifest, peer_argv
+from dht.identity import load_identity, peer_id_of_key
+from dht.keys import CLAIM_TTL_SECONDS, claim_shard, claims_key
+from dht.node import start_dht
+from peer.cli.local_swarm import LocalSwarm
+from peer.config import AdmissionConfig
+from peer.run.admission import AdmissionCheck, run_validator, sign_admission
+from peer.run.record import save_record, sign_manifest
+from peer.swarm.claims import live_claims
+
+#: the watcher's reads (it only checks that the admitted peers stay visible: tokens/s come from the
+#: peers' round histories), at a peer's heartbeat so that it loads the run's nodes like one more peer
+POLL_SECONDS = 5.0
+PEERS = ("p0", "p1")
+
+
+def _run_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A run long enough to outlast both windows (the peers are stopped after them)."""
+    return argparse.Namespace(rounds=10_000, inner_steps=10, d_model=64, batch_size=8, builtin_docs=1500)
+
+
+def _tokens_per_second(samples: list[tuple[float, int]], start: float, end: float) -> float:
+    inside = [(t, n) for t, n in samples if start <= t <= end]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return 0.0
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def _rate(found: list[list[dict]], start: float, end: float) -> float:
+    """The peers' tokens/s together between two wall times, from their round histories."""
+    return sum(tokens_at(h, end) - tokens_at(h, start) for h in found) / (end - start)
+
+
+def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPrivateKey]) -> dict:
+    creator, run_args = RSAPrivateKey(), _run_args(args)
+    manifest = make_manifest(run_args, "claimsflood", admission=AdmissionConfig(mode="invite"))
+    record = sign_manifest(manifest, creator)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_record(record, folder / "manifest.json")
+    run, run_id = f"{manifest.name}@{record.run_id[:16]}", record.run_id
+    samples: list[tuple[float, int]] = []
+    seen_both: list[tuple[float, bool]] = []
+    with LocalSwarm(folder / "logs") as swarm:
+        swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
+        ids = []
+        for name in PEERS:
+            key, key_file = load_identity(folder / f"{name}.key")
+            ids.append(peer_id_of_key(key))
+            token = sign_admission(creator, run_id, ids[-1], "invite")
+            extra = ["--identity_path", str(key_file), "--admission", token, "--wait_for_peers", "2",
+                     "--heartbeat_seconds", str(args.heartbeat_seconds)]  # fmt: skip
+            swarm.start_peer(name, peer_argv(run_args, run, folder / name, *extra))
+        watcher, _ = start_dht(
+            initial_peers=swarm.initial_peers, client_mode=True, run_name=manifest.name, run_id=run_id
+        )
+        publishers = []
+        try:
+            watcher.add_validators([run_validator(record, manifest.name)])
+            check = AdmissionCheck.of(record)
+
+            def poll() -> None:
+                if samples and time.monotonic() - samples[-1][0] < POLL_SECONDS:
+                    return  # the same load on the run's nodes in every window
+                claims = live_claims(watcher, manifest.name, run_id, manifest.model.n_paths, check.admitted)
+                now = time.monotonic()
+                samples.append((now, sum(claims[p].tokens_total for p in ids if p in claims)))
+                seen_both.append((now, all(p in claims for p in ids)))
+
+            def sleep_polling(seconds: float) -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    poll()
+                    time.sleep(max(0.0, min(POLL_SECONDS, end - time.monotonic())))
+
+            deadline = time.monotonic() + args.run_start_timeout_seconds
+            while not (samples and samples[-1][1] > 0 and seen_both[-1][1]):
+                if time.monotonic() > deadline or not all(swarm.alive(n) for n in PEERS):
+                    raise RuntimeError(f"the run did not start training; logs in {folder / 'logs'}")
+                sleep_polling(POLL_SECONDS)
+            # the publishers start (and idle) before the window the flood is compared with
+            schema = run_validator(record, manifest.name)
+            publishers = [
+                flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
+            ]
+            sleep_polling(args.warmup_seconds)
+            before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            walls = [time.time()]
+            sleep_polling(args.flood_window_seconds)
+            flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            walls += [time.time(), time.time() + args.flood_window_seconds]
+            stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
+            sleep_polling(max(0.0, flood[1] - time.monotonic()))
+            alive = all(swarm.alive(n) for n in PEERS)
+        finally:
+            for node in publishers:
+                node.shutdown()
+            watcher.shutdown()
+    try:  # the peers' own round history (tokens at each round's end), written at their exit
+        found = [h for h, _ in histories(folder, list(PEERS)).values()]
+        tps_before, tps_flood = (_rate(found, a, b) for a, b in zip(walls, walls[1:], strict=False))
+        measured_by = "round history"
+    except (RuntimeError, ValueError, KeyError):  # too few rounds in a window: the claims' counters
+        tps_before, tps_flood = _tokens_per_second(samples, *before), _tokens_per_second(samples, *flood)
+        measured_by = "claims"
+    during = [both for t, both in seen_both if flood[0] <= t <= flood[1]]
+    return {
+        "keys": len(flood_keys), "stores_acknowledged": stored, "window_seconds": args.flood_window_seconds,
+        "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
+        "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
+        "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
+        "peers_alive_after": alive, "run": run, "tokens_measured_by": measured_by,
+    }  # fmt: skip
+
+
+def _flood(publishers, keys: list[RSAPrivateKey], manifest, run_id: str, window: float, poll) -> int:
+    """One claim per key, paced evenly over `window` seconds, the watcher polling in between."""
+    rng, started, pending = random.Random(1), time.monotonic(), []
+    per_second = math.ceil(len(keys) / max(1.0, window))
+    for i in range(0, len(keys), per_second):
+        items = []
+        for key in keys[i : i + per_second]:
+            value = realistic_claim(key, "", manifest.model, 0, rng)
+            subkey = RSASignatureValidator(key).local_public_key
+            expiry = get_dht_time() + CLAIM_TTL_SECONDS
+            items.append((claims_key(manifest.name, run_id, claim_shard(0)), subkey, value, expiry))
+        publisher = publishers[(i // per_second) % len(publishers)]
+        pending.append(publisher.run_coroutine(partial(store_batch, items), return_future=True))
+        poll()
+        time.sleep(max(0.0, started + (i // per_second + 1) - time.monotonic()))
+    return sum(f.result() for f in pending)

@@ -1,0 +1,135 @@
+"""A cap on how many records one DHT node keeps under a key, and which records it keeps.
+
+hivemind stores every valid subkey under a key and answers a lookup with all of them in one message:
+a flood of free keys under one key grows the reply past hivemind's 4 MiB limit and every reader of
+that key gets nothing. Under a capped key (a run's claim shards, registered by
+`dht.validators.RecordSchemaValidator`) a node keeps at most `cap` records. When a new owner arrives
+at a full key, the node keeps the higher ranked of it and its lowest ranked record:
+
+1. records whose admission token the run's creator signed (`admitted(peer_id, token)`) first: keys
+   cost nothing, a creator's signature does;
+2. then by a hash of the owner key salted with a secret this node draws at start, so each node keeps
+   a different sample of the rest and nobody can choose a key that wins everywhere.
+
+An owner already stored always renews its record. hivemind's storage has no hook for this, so the
+node's storage class is wrapped once at import (as dht/node.py wraps the DHT process); the limits
+live in this module because validators and storage meet only inside the DHT process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.utils import MSGPackSerializer
+
+Admitted = Callable[[str, str], bool]
+#: ranks a node remembers (a decode and a cached signature check each to recompute)
+MAX_REMEMBERED_RANKS = 65536
+
+
+class SubkeyCap:
+    """At most `cap` records per key among `keys`, ranked as the module docstring says."""
+
+    def __init__(self, keys: list[bytes], cap: int, admitted: Admitted | None = None):
+        self.keys = {DHTID.from_bytes(k) for k in keys}
+        self.cap = cap
+        self.admitted = admitted
+        self._salt = os.urandom(16)
+        self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
+
+    def rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
+        """(admitted, salted hash of the owner) of a record now being stored: higher is kept.
+        Remembered per owner, so that a full key's lowest rank costs lookups, not decodes."""
+        admitted = False
+        if self.admitted is not None:
+            try:
+                record = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+                admitted = bool(self.admitted(str(record["peer_id"]), str(record.get("admission", ""))))
+            except Exception:  # a record this node could not rank is ranked last, never trusted
+                admitted = False
+        owner = subkey if isinstance(subkey, bytes) else repr(subkey).encode()
+        rank = (admitted, hashlib.blake2b(self._salt + owner, digest_size=16).digest())
+        if len(self._ranks) >= MAX_REMEMBERED_RANKS:
+            self._ranks.clear()  # mostly owners long gone; a stored record's rank is recomputed
+        self._ranks[(key, subkey)] = rank
+        return rank
+
+    def _known_rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
+        known = self._ranks.get((key, subkey))
+        return known if known is not None else self.rank(key, subkey, value)
+
+    def make_room(self, key: DHTID, entries: DictionaryDHTValue, subkey, value: bytes) -> bool:
+        """Whether `subkey` may be stored in `entries` now, evicting the lowest ranked if needed.
+        Every store ranks its record (its admission may have changed), in O(1) plus, at a full key,
+        one pass over the remembered ranks of the key's records."""
+        new = self.rank(key, subkey, value)
+        if subkey in entries or len(entries) < self.cap:
+            return True
+        worst, worst_rank = None, None
+        for s, item in entries.items():
+            r = self._known_rank(key, s, item.value)
+            if worst_rank is None or r < worst_rank:
+                worst, worst_rank = s, r
+        if new <= worst_rank:
+            return False
+        del entries[worst]
+        return True
+
+    def trimmed(self, key: DHTID, entries: DictionaryDHTValue) -> DictionaryDHTValue:
+        """`entries` cut to the `cap` highest ranked (a whole dictionary stored at once, e.g. cached)."""
+        items = list(entries.items())
+        if len(items) <= self.cap:
+            return entries
+        items.sort(key=lambda kv: self._known_rank(key, kv[0], kv[1].value), reverse=True)
+        out = DictionaryDHTValue()
+        for subkey, item in items[: self.cap]:
+            out.store(subkey, item.value, item.expiration_time)
+        return out
+
+
+_CAPS: dict[DHTID, SubkeyCap] = {}
+
+
+def cap_keys(cap: SubkeyCap) -> None:
+    """Applies `cap` to its keys in this process's DHT storage (the last registered wins)."""
+    for key in cap.keys:
+        _CAPS[key] = cap
+
+
+def cap_of(key: DHTID) -> SubkeyCap | None:
+    return _CAPS.get(key)
+
+
+def _capped_store_subkey(store_subkey):
+    def patched(self, key: DHTID, subkey, value: bytes, expiration_time: float) -> bool:
+        cap = _CAPS.get(key)
+        if cap is not None:
+            current = self.get(key)
+            if current is not None and isinstance(current.value, DictionaryDHTValue):
+                if not cap.make_room(key, current.value, subkey, value):
+                    return False
+        return store_subkey(self, key, subkey, value, expiration_time)
+
+    patched.pathswarm_capped = True
+    return patched
+
+
+def _capped_store(store):
+    def patched(self, key: DHTID, value, expiration_time: float, subkey=None) -> bool:
+        cap = _CAPS.get(key)
+        if cap is not None and subkey is None and isinstance(value, DictionaryDHTValue):
+            value = cap.trimmed(key, value)
+        return store(self, key, value, expiration_time, subkey)
+
+    patched.pathswarm_capped = True
+    return patched
+
+
+if not getattr(DHTLocalStorage.store_subkey, "pathswarm_capped", False):
+    DHTLocalStorage.store_subkey = _capped_store_subkey(DHTLocalStorage.store_subkey)
+    DHTLocalStorage.store = _capped_store(DHTLocalStorage.store)
