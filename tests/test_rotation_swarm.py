@@ -35,9 +35,13 @@ def test_three_peers_rotate_until_every_path_is_trained(tmp_path):
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(path)])
         for name in names:
+            # unpaced, as this test was written: paced at 20 steps/s (0.5 s a round, one heartbeat), the
+            # composite came out 1.2-2.3x the dense perplexity in 3 of 5 runs (movers' modules "behind",
+            # holders "alone" for rounds after a move): a goodput lead for rotation (issue 29), not
+            # hidden here — this test checks that rotation covers every path and keeps holders in step
             args = peer_args(run_id, tmp_path / name, "--max_rounds", str(ROUNDS), "--wait_for_peers", "3",
                              "--rotate_every_rounds", str(ROTATE_EVERY), "--heartbeat_seconds", "0.5",
-                             "--keep_checkpoints", "100")  # fmt: skip
+                             "--keep_checkpoints", "100", "--max_inner_steps_per_second", "1e9")  # fmt: skip
             swarm.start_peer(name, args)
         for name in names:
             assert swarm.wait(name, timeout=120) == 0, logs_of(swarm, name)
