@@ -168,7 +168,9 @@ def run_arm(args, lab: NetLab, regions: Regions, arm: str, base: RunManifest, fo
                 changed_at = time.time()
             time.sleep(0.5)
     finally:
-        lab.stop(procs, grace_seconds=30)
+        # the final checkpoint is written on SIGTERM; a peer held to a quarter core took over 30 s to
+        # leave in the first full run (its last step, then the round in flight)
+        lab.stop(procs, grace_seconds=120)
         lab.stop([bootstrap], grace_seconds=5)
     return measure(args, regions, manifest, folder, started, changed_at)
 
