@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
 from peer.cli.local_swarm import LocalSwarm
 from peer.config import AdmissionConfig, InnerOptimizerConfig, SyncConfig
+from peer.config.manifest import SchedulerConfig
 from peer.data.sources import DatasetSpec
 from peer.model.grid import ModelConfig
 from peer.run.create import build_manifest
@@ -27,10 +28,11 @@ def write_manifest(
     grid: tuple[int, int] = (2, 2),
     creator: RSAPrivateKey | None = None,
     admission: AdmissionConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
     **sync: object,
 ) -> tuple[Path, str]:
     """A tiny signed run (an LxK grid of d=32, H = `inner_steps`, P = `fragments`) in `folder`, signed
-    by `creator` (a fresh key by default)."""
+    by `creator` (a fresh key by default); `admission` and `scheduler`: manifest sections."""
     levels, k = grid
     manifest = build_manifest(
         RUN,
@@ -42,7 +44,8 @@ def write_manifest(
             inner_steps=inner_steps, fragments=fragments, **{"averaging_timeout_seconds": 10.0, **sync}
         ),
         router_docs=200,
-        sections={"admission": admission} if admission is not None else None,
+        sections={k: v for k, v in {"admission": admission, "scheduler": scheduler}.items() if v is not None}
+        or None,
     )
     record = sign_manifest(manifest, creator or RSAPrivateKey())
     path = folder / "manifest.json"

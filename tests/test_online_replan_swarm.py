@@ -7,20 +7,13 @@ import re
 
 import pytest
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.crypto import RSAPrivateKey
 
 from peer.cli.local_swarm import LocalSwarm
-from peer.config import InnerOptimizerConfig, SyncConfig
 from peer.config.manifest import SchedulerConfig
-from peer.data.sources import DatasetSpec
-from peer.model.grid import ModelConfig
-from peer.run.create import build_manifest
-from peer.run.record import save_record, sign_manifest
-from tests.swarm_harness import wait_for
+from tests.swarm_harness import RUN, wait_for, write_manifest
 
 pytestmark = pytest.mark.swarm
 
-RUN = "replantest"
 TRAINING = re.compile(r"training path (\d+) ")
 ROUND = re.compile(r"round (\d+) step")
 FAST, SLOW = [0.001, 1e9], [0.2, 2e5]
@@ -28,19 +21,10 @@ FAST, SLOW = [0.001, 1e9], [0.2, 2e5]
 
 @pytest.mark.timeout(150)
 def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_planner(tmp_path):
-    manifest = build_manifest(
-        RUN,
-        ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=1, modules_per_level=2),
-        DatasetSpec(kind="builtin", builtin_docs=200),
-        seq_len=32,
-        inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=200),
-        sync=SyncConfig(inner_steps=4, averaging_timeout_seconds=15.0),
-        router_docs=100,
-        sections={"scheduler": SchedulerConfig(replan_online=True, probe_every_seconds=1.0)},
-    )
-    record = sign_manifest(manifest, RSAPrivateKey())
-    manifest_file = tmp_path / "manifest.json"
-    save_record(record, manifest_file)
+    manifest_file, run_id = write_manifest(
+        tmp_path, inner_steps=4, grid=(1, 2), averaging_timeout_seconds=15.0,
+        scheduler=SchedulerConfig(replan_online=True, probe_every_seconds=1.0),
+    )  # fmt: skip
     ids = []
     for i in range(4):
         P2P.generate_identity(str(tmp_path / f"id{i}"))
@@ -59,7 +43,7 @@ def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_plann
         for i in range(4):
             swarm.start_peer(
                 f"p{i}",
-                ["--run", f"{RUN}@{record.run_id[:16]}", "--identity_path", str(tmp_path / f"id{i}"),
+                ["--run", f"{RUN}@{run_id[:16]}", "--identity_path", str(tmp_path / f"id{i}"),
                  "--probe_file", str(probe_file), "--max_rounds", "14", "--batch_size", "2",
                  "--torch_threads", "1", "--heartbeat_seconds", "1", "--wait_for_peers", "4",
                  "--checkpoint_every_rounds", "1000"],
