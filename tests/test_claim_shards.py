@@ -144,3 +144,18 @@ def test_the_monitor_reads_every_claim_shard_of_its_run():
         view = SwarmPoller(swarm.reader, m, record, collector).poll()
         assert {p.peer_id for p in view.peers} == {peer_id_of_key(k) for k in keys}
         assert collector.stats.dht_reads == m.model.n_paths + 2  # each shard, the stash, contributions
+
+
+def test_a_claim_listing_modules_off_its_path_is_left_out_of_a_peers_view():
+    run, run_id = "shardmodules", "c4" * 32
+    honest, liar = RSAPrivateKey(), RSAPrivateKey()
+    schema = RecordSchemaValidator(run, run_id, max_claims_per_shard=CAP)
+    with Swarm(schema, [honest, liar]) as swarm:
+        assert publish(swarm.flooder, run, run_id, honest, claim(honest, 0))
+        # path 0 runs through trunk, l0m0, l1m0; the liar says it holds every module of the grid
+        every = ["trunk", "l0m0", "l0m1", "l1m0", "l1m1"]
+        lie = ClaimRecord(peer_id=peer_id_of_key(liar), path=0, modules=every)
+        assert publish(swarm.flooder, run, run_id, liar, lie)
+        assert len(live_claims(swarm.reader, run, run_id, GRID.n_paths)) == 2  # stored and readable
+        view = ClaimView(run, run_id, range(GRID.n_paths), model=GRID).update(swarm.reader)
+        assert set(view) == {peer_id_of_key(honest)}

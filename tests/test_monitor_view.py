@@ -12,15 +12,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dht.schema import ClaimRecord, KeptModule, StashRecord
 from monitoring.swarm.exporter import SwarmCollector, make_registry
+from monitoring.swarm.page import render_page
 from monitoring.swarm.rates import MeasuredRates
+from monitoring.swarm.status import status_dict
 from monitoring.swarm.view import build_view, select_claims
-from peer.model.grid import ModelConfig
+from peer.model.grid import ModelConfig, path_from_index, path_module_ids
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
 # path 0 = trunk l0m0 l1m0, 1 = trunk l0m0 l1m1, 2 = trunk l0m1 l1m0, 3 = trunk l0m1 l1m1
 
 
-def claim(peer: str, path: int, modules: list[str], **kw) -> ClaimRecord:
+def claim(peer: str, path: int, modules: list[str] | None = None, **kw) -> ClaimRecord:
+    """A claim on `path`, holding its path's modules unless `modules` says otherwise."""
+    modules = path_module_ids(GRID, path_from_index(GRID, path)) if modules is None else modules
     return ClaimRecord(peer_id=peer, path=path, modules=modules, **kw)
 
 
@@ -61,10 +65,10 @@ def test_view_counts_states_holders_orphans_and_lag():
 
 
 def test_a_flooded_shard_is_capped_per_shard_admitted_claims_first_one_claim_per_peer():
-    records = [(claim(f"Qm{i:05d}", 0, ["trunk"]), 1e12) for i in range(50)]
-    records += [(claim("QmAdmitted", 0, ["trunk"], step=5, admission="ok"), 1e12)]
-    records += [(claim("QmAdmitted", 0, ["trunk"], step=7, admission="ok"), 2e12)]
-    records += [(claim("QmOtherShard", 1, ["trunk"]), 1e12)]
+    records = [(claim(f"Qm{i:05d}", 0), 1e12) for i in range(50)]
+    records += [(claim("QmAdmitted", 0, step=5, admission="ok"), 1e12)]
+    records += [(claim("QmAdmitted", 0, step=7, admission="ok"), 2e12)]
+    records += [(claim("QmOtherShard", 1), 1e12)]
     selected = select_claims(records, "monitor", lambda peer, token: token == "ok", cap=10)
     assert selected.capped and selected.records_read == 53
     # shard 0 kept 10 records: both of the admitted peer's (one claim, its latest) and 8 others
@@ -94,7 +98,7 @@ def test_swarm_counters_only_grow_while_peers_restart_and_leave():
     first = scrape(collector)
     assert first["pathswarm_swarm_syncs_total"][(("outcome", "averaged"),)] == 8
     # A restarted (counts from zero again, now 2), B gone: the swarm total grows by A's new 2
-    restarted = [(claim("QmA", 0, ["trunk"], sync_outcomes={"averaged": 2}), 1e12)]
+    restarted = [(claim("QmA", 0, sync_outcomes={"averaged": 2}), 1e12)]
     collector.publish(build_view("r", "f" * 64, GRID, select_claims(restarted)), 0.1, 2)
     second = scrape(collector)
     assert second["pathswarm_swarm_syncs_total"][(("outcome", "averaged"),)] == 10
@@ -105,7 +109,7 @@ def test_swarm_counters_only_grow_while_peers_restart_and_leave():
 
 
 def test_per_peer_series_are_capped_and_the_rest_counted():
-    records = [(claim(f"Qm{i:04d}", i % 4, ["trunk"]), 1e12) for i in range(30)]
+    records = [(claim(f"Qm{i:04d}", i % 4), 1e12) for i in range(30)]
     measured = ({f"Qm{i:04d}": float(i) for i in range(30)}, set())
     collector = SwarmCollector(max_peer_series=5)
     collector.publish(build_view("r", "f" * 64, GRID, select_claims(records), rates=measured), 0.1, 2)
@@ -156,7 +160,7 @@ def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
     from monitoring.swarm.page import MAX_PAGE_ROWS, render_page
     from monitoring.swarm.status import status_dict
 
-    records = [(claim(f"Qm{i:05d}", i % 4, ["trunk"]), 1e12) for i in range(400)]
+    records = [(claim(f"Qm{i:05d}", i % 4), 1e12) for i in range(400)]
     measured = ({f"Qm{i:05d}": float(i) for i in range(400)}, set())
     status = status_dict(build_view("r", "f" * 64, GRID, select_claims(records), rates=measured), [])
     page = render_page(status)
@@ -170,7 +174,7 @@ def test_status_page_caps_its_peer_rows_and_finds_any_peer_by_id():
 
 def test_tokens_per_second_is_measured_from_counters_over_the_monitors_clock_not_claimed():
     def claims(totals: dict[str, int]):
-        return select_claims([(claim(p, i, ["trunk"], tokens_total=t, tokens_per_second=30_000.0), 1e12)
+        return select_claims([(claim(p, i, tokens_total=t, tokens_per_second=30_000.0), 1e12)
                               for i, (p, t) in enumerate(sorted(totals.items()))])  # fmt: skip
 
     rates = MeasuredRates()
@@ -190,3 +194,28 @@ def test_tokens_per_second_is_measured_from_counters_over_the_monitors_clock_not
     assert measured["QmB"] == 0.0 and flagged == {"QmD"}
     view = build_view("r", "f" * 64, GRID, claims(third), rates=(measured, flagged))
     assert view.tokens_per_second == 100.0 + 120.0 and view.implausible == 1
+
+
+def test_a_claim_listing_every_module_hides_no_orphan_and_is_counted_refused():
+    records = [(claim("QmA", 0), 1e12), (claim("QmLiar", 1, ["trunk", "l0m0", "l0m1", "l1m0", "l1m1"]), 1e12)]
+    view = build_view("r", "f" * 64, GRID, select_claims(records))
+    assert view.claims_refused == 1 and [p.peer_id for p in view.peers] == ["QmA"]
+    assert view.orphaned == ["l0m1", "l1m1"]  # path 0 is trunk, l0m0, l1m0
+
+
+def test_holders_without_admission_are_claimed_not_confirmed_once_the_run_admits_anyone():
+    admitted = lambda peer, token: token == "ok"  # noqa: E731 - the creator's signature, as the poller checks it
+    records = [(claim("QmA", 0, admission="ok"), 1e12), (claim("QmStranger", 3), 1e12)]  # 3: l0m1, l1m1
+    view = build_view("r", "f" * 64, GRID, select_claims(records), admitted=admitted)
+    assert view.module_holders["l0m1"] == 1 and view.module_holders_confirmed["l0m1"] == 0
+    assert view.orphaned == ["l0m1", "l1m1"] and view.admitted == 1
+    page = render_page(status_dict(view, []))
+    assert 'data-module="l0m1" data-holders="0" data-claimed="1"' in page
+    assert "orphaned (no confirmed training holder): l0m1, l1m1" in page
+    # a poll where the admitted peer is gone: a monitor that saw admission still confirms nobody else
+    stranger_only = select_claims(records[1:])
+    alone = build_view("r", "f" * 64, GRID, stranger_only, admitted=admitted, seen_admission=True)
+    assert alone.module_holders_confirmed["l0m1"] == 0 and "l0m1" in alone.orphaned
+    # a run that never admitted anyone: every holder counts (nothing tells them apart)
+    open_run = build_view("r", "f" * 64, GRID, stranger_only, admitted=admitted)
+    assert open_run.module_holders_confirmed == open_run.module_holders

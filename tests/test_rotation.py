@@ -6,11 +6,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
 from peer.model.grid import ModelConfig
 from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
+from peer.run.admission import AdmissionCheck, sign_admission
+from peer.swarm.claims import steering_claims
 from peer.swarm.rotation import claimed_path_steps, plan_rotation, swarm_path_steps
+from peer.sync.standing import Standing
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
 
@@ -128,3 +132,41 @@ def test_eval_counts_a_rotated_peers_steps_on_every_path_it_trained():
     rotated = PeerCheckpoint(Path("a"), {"path": [1, 1], "step": 50, "path_steps": {"0": 30, "3": 20}}, {})
     older = PeerCheckpoint(Path("b"), {"path": [0, 1], "step": 40}, {})  # before path_steps existed
     assert path_steps(manifest, [rotated, older]) == {0: 30, 1: 40, 2: 0, 3: 20}
+
+
+def test_made_up_steps_count_at_most_h_per_round_so_far_and_no_longer_stop_a_rotation():
+    # a and b share path 0 (80 steps); paths 2 and 3 are uncovered, and d says it trained both forever
+    claims = {
+        "a": claim("a", 0, {0: 40}),
+        "b": claim("b", 0, {0: 40}),
+        "d": claim("d", 1, {2: 2**39, 3: 2**39}),
+    }
+    assert plan_rotation(GRID, claims, round_index=4, every_rounds=2) is None  # believed: stopped
+    # at round 4 with H = 10 no claim holds more than 50 steps in all: 25 on each is less than 80
+    rotation = plan_rotation(GRID, claims, round_index=4, every_rounds=2, steps_per_round=10)
+    assert rotation is not None and rotation.source == 0 and rotation.target in (2, 3)
+    assert rotation.steps == {0: 80, 1: 0, 2: 25, 3: 25}
+    # honest counts within the bound are untouched
+    assert plan_rotation(GRID, three_peers(), 4, 2, steps_per_round=10).steps == {0: 40, 1: 40, 2: 40, 3: 0}
+
+
+def test_step_counts_without_admission_do_not_steer_rotation_once_anyone_is_admitted():
+    creator = RSAPrivateKey()
+    check = AdmissionCheck("e5" * 32, creator.get_public_key().to_bytes())
+    standing = Standing(check, "open")
+    token = {p: sign_admission(creator, "e5" * 32, p, "invite") for p in ("a", "b", "c")}
+    claims = {p: claim(p, i, {i: 40}, admission=token[p]) for i, p in enumerate(("a", "b", "c"))}
+    # two free keys (client mode: they cover no path) say they trained path 3 for ages: believed,
+    # nothing moves there
+    claims |= {f"free{i}": claim(f"free{i}", 0, {3: 10**6}, client_mode=True) for i in range(2)}
+    assert plan_rotation(GRID, claims, round_index=4, every_rounds=2) is None
+    steering = set(steering_claims(claims, standing))
+    assert steering == {"a", "b", "c"}
+    rotation = plan_rotation(GRID, claims, round_index=4, every_rounds=2, counted=steering)
+    assert rotation is not None and rotation.target == 3 and rotation.steps[3] == 0
+    # our own claim counts with our token as it is now (admitted since the view was read)
+    claims["a"] = claim("a", 0, {0: 40})
+    standing.own_token = token["a"]
+    assert "a" in steering_claims(claims, standing, me="a") and "a" not in steering_claims(claims, standing)
+    # a run where nobody is admitted yet: every claim steers (the same set in every peer's view)
+    assert steering_claims({p: claim(p, 0, {}) for p in ("x", "y")}, standing).keys() == {"x", "y"}

@@ -136,6 +136,11 @@ class SwarmCollector:
             "1 when a claim shard had more claims than a reader keeps (dht.keys.MAX_CLAIMS_PER_SHARD).",
             int(v.claims_capped),
         )
+        yield GaugeMetricFamily(
+            "pathswarm_monitor_claims_refused",
+            "Claims left out of the last poll: their module list is not their path's.",
+            v.claims_refused,
+        )
         g = GaugeMetricFamily(
             "pathswarm_swarm_peers", "Live peers by state (joining, training, leaving).", labels=["state"]
         )
@@ -147,9 +152,15 @@ class SwarmCollector:
         )
         yield self._per(
             "pathswarm_swarm_module_holders",
-            "Training peers holding each module.",
+            "Training peers claiming each module (their path's), admitted or not.",
             "module",
             v.module_holders,
+        )
+        yield self._per(
+            "pathswarm_swarm_module_holders_confirmed",
+            "Training peers holding each module with the run creator's admission (all while nobody is).",
+            "module",
+            v.module_holders_confirmed,
         )
         yield self._per(
             "pathswarm_swarm_module_kept_copies",
@@ -175,7 +186,7 @@ class SwarmCollector:
             len(v.under_replicated),
         )
         yield GaugeMetricFamily(
-            "pathswarm_swarm_modules_orphaned", "Modules with no training holder.", len(v.orphaned)
+            "pathswarm_swarm_modules_orphaned", "Modules with no confirmed training holder.", len(v.orphaned)
         )
         yield GaugeMetricFamily(
             "pathswarm_swarm_paths_uncovered", "Paths no peer trains.", len(v.uncovered_paths)

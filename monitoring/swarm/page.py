@@ -51,11 +51,13 @@ def grid_table(status: dict) -> str:
         tds = []
         for m in modules:
             if m in cells:
-                n = cells[m]
+                # coloured by the confirmed holders (admitted); claims beyond them are shown, not counted
+                n, claimed = status["module_holders_confirmed"].get(m, 0), cells[m]
                 lag = status["module_round_spread"].get(m, 0)
-                title = f"{m}: {n} holder(s), fragment lag {lag}"
+                title = f"{m}: {n} confirmed holder(s) of {claimed} claimed, fragment lag {lag}"
+                text = f"{n}" if claimed == n else f"{n} <small>({claimed} claimed)</small>"
                 tds.append(f'<td class="cell" style="background:{_colour(n)}" title="{escape(title)}" '
-                           f'data-module="{escape(m)}" data-holders="{n}">{n}</td>')  # fmt: skip
+                           f'data-module="{escape(m)}" data-holders="{n}" data-claimed="{claimed}">{text}</td>')  # fmt: skip
             else:
                 tds.append('<td class="off"></td>')
         holders = status["path_holders"].get(str(path), 0)
@@ -205,7 +207,7 @@ def render_page(status: dict, mine: str = "") -> str:
     )
     warn = ""
     if status["orphaned"]:
-        warn = f'<p class="bad">orphaned (no training holder): {escape(", ".join(status["orphaned"]))}</p>'
+        warn = f'<p class="bad">orphaned (no confirmed training holder): {escape(", ".join(status["orphaned"]))}</p>'
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>pathswarm · {escape(status["run"])}</title>
 <meta http-equiv="refresh" content="30"><style>{STYLE}</style></head><body>
 <h1>pathswarm run <span id="run">{escape(status["run"])}</span></h1>

@@ -94,6 +94,8 @@ class SwarmPoller:
         self.rates = MeasuredRates()
         #: every volunteer's verified contribution over the run, remembered after it leaves
         self.admission = AdmissionCheck.of(record)
+        #: whether any claim this monitor read was admitted: from then on only admitted holders confirm
+        self.seen_admission = False
         self.board = ContributionBoard(self.run_id, self.admission)
         self._reads = 0
         self.stop_event = threading.Event()
@@ -123,7 +125,10 @@ class SwarmPoller:
             raise
         counters = {p: c.tokens_total for p, c in selected.claims.items()}
         rates = self.rates.update(time.monotonic(), counters)
-        view = build_view(name, self.run_id, self.manifest.model, selected, stash, rates)
+        model, admitted = self.manifest.model, self.admission.admitted
+        view = build_view(name, self.run_id, model, selected, stash, rates, admitted, self.seen_admission)
+        # once the run admitted anyone, a key without admission never counts as a confirmed holder again
+        self.seen_admission = self.seen_admission or view.admitted > 0
         view.contributions = self.board.update([r for r, _ in found], selected.claims)
         view.contributions_rejected = dict(self.board.rejected)
         seconds = time.perf_counter() - started

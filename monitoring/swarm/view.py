@@ -6,8 +6,12 @@ of keys cannot grow the monitor's memory); `build_view` turns those
 claims and the run's grid into a `SwarmView`: peers by state, holders per path and module, modules
 down to their last holder or orphaned, fragment lag, throughput, loss, sync outcomes and bad parts.
 Every number here is what peers *claim* about themselves, except the tokens/s, which the monitor
-measures from the claims' token counters over its own clock (`rates`); the monitor shows them and
-decides nothing.
+measures from the claims' token counters over its own clock (`rates`), and the confirmed holders:
+what a peer holds follows from its path, never from the module list it writes (a claim whose list is
+not its path's is refused and counted), and a holder counts as confirmed only with the run creator's
+admission where the run has admitted anyone. Claimed and confirmed holders are shown side by side;
+orphaned and under-replicated modules are judged on the confirmed ones, so no stranger's claim hides
+a module nobody admitted trains. The monitor shows all this and decides nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dht.schema import ClaimRecord, StashRecord
 from dht.shard_store import Admitted
 from monitoring.metrics import BAD_PART_REASONS, OUTCOMES
 from monitoring.swarm.contributions import ContributionRow
-from peer.model.grid import ModelConfig, all_module_ids, all_paths, path_module_ids
+from peer.model.grid import ModelConfig, all_module_ids, all_paths, is_path_of, path_module_ids
 
 STATES = ("joining", "training", "leaving")
 REACHABILITY = ("direct", "relay", "unreachable", "unknown")
@@ -118,7 +122,10 @@ class SwarmView:
     peers: list[PeerRow] = field(default_factory=list)
     by_state: dict[str, int] = field(default_factory=dict)
     path_holders: dict[int, int] = field(default_factory=dict)
+    #: training peers claiming each module (their path's), admitted or not
     module_holders: dict[str, int] = field(default_factory=dict)
+    #: those of them with the creator's admission (all of them while the run has admitted nobody)
+    module_holders_confirmed: dict[str, int] = field(default_factory=dict)
     #: per module: the largest gap, over its fragments, between holders' applied sync counts
     module_round_spread: dict[str, int] = field(default_factory=dict)
     #: per module: the highest applied sync count of any holder, summed over fragments
@@ -140,6 +147,10 @@ class SwarmView:
     by_reachability: dict[str, int] = field(default_factory=dict)
     claims_read: int = 0
     claims_capped: bool = False
+    #: claims left out because their module list is not their path's (or the path is off the grid)
+    claims_refused: int = 0
+    #: claims carrying the run creator's admission
+    admitted: int = 0
     #: each volunteer's contribution over the run, departed ones included, most tokens first
     #: (monitoring/swarm/contributions.py: signed claims, rounds confirmed by partners)
     contributions: list[ContributionRow] = field(default_factory=list)
@@ -148,11 +159,11 @@ class SwarmView:
 
     @property
     def under_replicated(self) -> list[str]:
-        return [m for m in self.modules if self.module_holders.get(m, 0) < MIN_HOLDERS]
+        return [m for m in self.modules if self.module_holders_confirmed.get(m, 0) < MIN_HOLDERS]
 
     @property
     def orphaned(self) -> list[str]:
-        return [m for m in self.modules if self.module_holders.get(m, 0) == 0]
+        return [m for m in self.modules if self.module_holders_confirmed.get(m, 0) == 0]
 
     @property
     def uncovered_paths(self) -> list[int]:
@@ -191,24 +202,33 @@ def build_view(
     selected: Selected,
     stash: list[StashRecord] | None = None,
     rates: tuple[dict[str, float], set[str]] | None = None,
+    admitted: Admitted | None = None,
+    seen_admission: bool = False,
 ) -> SwarmView:
     """The swarm view of `selected` claims in a run whose grid is `model`; `rates`: the measured
-    tokens/s of each peer and the implausible ones (`MeasuredRates.update`; none: all zero)."""
+    tokens/s of each peer and the implausible ones (`MeasuredRates.update`; none: all zero);
+    `admitted` checks a claim's admission token, and only admitted holders are confirmed once any
+    claim is admitted or `seen_admission` (the run admitted someone in an earlier poll)."""
     measured, implausible = rates if rates is not None else ({}, set())
+    claims = {pid: c for pid, c in selected.claims.items() if is_path_of(model, c.path, c.modules)}
+    with_token = {pid for pid, c in claims.items() if admitted is not None and admitted(pid, c.admission)}
+    confirmed = with_token if with_token or seen_admission else set(claims)
     paths = list(range(model.n_paths))
     modules = all_module_ids(model)
     view = SwarmView(run, run_id, paths, modules)
     view.claims_read, view.claims_capped = selected.records_read, selected.capped
+    view.claims_refused, view.admitted = len(selected.claims) - len(claims), len(with_token)
     states: Counter[str] = Counter({s: 0 for s in STATES})
     path_holders: Counter[int] = Counter({p: 0 for p in paths})
     module_holders: Counter[str] = Counter({m: 0 for m in modules})
+    module_confirmed: Counter[str] = Counter({m: 0 for m in modules})
     rounds: dict[str, list[list[int]]] = defaultdict(list)
     losses: dict[int, list[float]] = defaultdict(list)
     outcomes: Counter[str] = Counter()
     bad: Counter[str] = Counter()
     versions: Counter[str] = Counter()
     reach: Counter[str] = Counter({r: 0 for r in REACHABILITY})
-    for peer_id, c in sorted(selected.claims.items()):
+    for peer_id, c in sorted(claims.items()):
         state = peer_state(c)
         states[state] += 1
         version, reachable = _label(c.software_version), _label(c.reachability, REACHABILITY)
@@ -250,12 +270,13 @@ def build_view(
         if c.loss is not None:
             losses[c.path].append(c.loss)
         for m in c.modules:
-            if m in module_holders:
-                module_holders[m] += 1
-                rounds[m].append(list(c.module_rounds.get(m, [])))
+            module_holders[m] += 1
+            module_confirmed[m] += peer_id in confirmed
+            rounds[m].append(list(c.module_rounds.get(m, [])))
     view.by_state = dict(states)
     view.path_holders = dict(path_holders)
     view.module_holders = dict(module_holders)
+    view.module_holders_confirmed = dict(module_confirmed)
     view.module_round_spread = {m: _spread(rounds.get(m, [])) for m in modules}
     view.module_round = {m: max((sum(r) for r in rounds.get(m, [])), default=0) for m in modules}
     kept: Counter[str] = Counter({m: 0 for m in modules})

@@ -157,6 +157,14 @@ def path_module_ids(cfg: ModelConfig, path: Path) -> list[str]:
     return ids
 
 
+def is_path_of(cfg: ModelConfig, index: int, modules: list[str]) -> bool:
+    """Whether `modules` are exactly the modules of path `index` of the grid: what a claim on that
+    path may say it holds (peer/swarm/claims.py, the monitor's view)."""
+    if not 0 <= index < cfg.n_paths:
+        return False
+    return sorted(modules) == sorted(path_module_ids(cfg, path_from_index(cfg, index)))
+
+
 def all_module_ids(cfg: ModelConfig) -> list[str]:
     ids = [TRUNK] + [
         grid_module_id(lv, k) for lv in range(cfg.n_levels) for k in range(cfg.modules_per_level)

@@ -27,9 +27,10 @@ from dht.records import read_keys, store_record
 from dht.schema import ClaimRecord, ManifestRecord
 from dht.shard_store import Admitted
 from peer.config import RunManifest
-from peer.model.grid import TRUNK, ModelConfig, path_from_index, path_module_ids
+from peer.model.grid import TRUNK, ModelConfig, is_path_of, path_from_index, path_module_ids
 from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
+from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,27 @@ def read_shards(
     return out
 
 
+def holds_its_path(cfg: ModelConfig, claim: ClaimRecord) -> bool:
+    """Whether a claim's modules are exactly those of its path. What a peer holds follows from the
+    path it claims, never from a list it writes: a claim listing every module would make its key a
+    holder of all of them (sparing a real last holder its hand-over, hiding orphaned modules)."""
+    return is_path_of(cfg, claim.path, claim.modules)
+
+
+def steering_claims(
+    claims: dict[str, ClaimRecord], standing: Standing, me: str | None = None
+) -> dict[str, ClaimRecord]:
+    """The claims that steer where peers train (path choice, rotation): admitted peers' where any
+    claimant is admitted, else all (`Standing.voters`: every peer reaches the same set from the same
+    view, so they agree on who moves). Free keys claiming paths then neither fill nor empty a path in
+    anyone's eyes, nor stop a rotation with made-up step counts. `me`: our own claim counts with our
+    token as it is now (`standing.own_token`), not as last read."""
+    tokens = {pid: c.admission for pid, c in claims.items()}
+    if me in tokens:
+        tokens[me] = standing.own_token
+    return {pid: claims[pid] for pid in standing.voters(tokens)}
+
+
 def live_claims(
     dht: hivemind.DHT, run_name: str, run_id: str, n_paths: int, admitted: Admitted | None = None
 ) -> dict[str, ClaimRecord]:
@@ -106,8 +128,11 @@ class ClaimView:
         shards: Iterable[int],
         admitted: Admitted | None = None,
         only_admitted: bool = False,
+        model: ModelConfig | None = None,
     ):
+        """`model`: the run's grid; a claim whose modules are not its path's is left out (None: kept)."""
         self.run_name, self.run_id = run_name, run_id
+        self.model = model
         self.shards = list(shards)
         self.admitted, self.only_admitted = admitted, only_admitted
         self._entries: dict[str, tuple[ClaimRecord, float]] = {}
@@ -120,11 +145,14 @@ class ClaimView:
         nothing, so its claim is left out: a flood of such claims names no holder anyone waits for."""
         shards = shards_through(manifest.model, [TRUNK])
         invite = manifest.admission.mode == "invite"
-        return cls(manifest.name, record.run_id, shards, AdmissionCheck.of(record).admitted, invite)
+        admitted = AdmissionCheck.of(record).admitted
+        return cls(manifest.name, record.run_id, shards, admitted, invite, manifest.model)
 
     def update(self, dht: hivemind.DHT) -> dict[str, ClaimRecord]:
         found = read_shards(dht, self.run_name, self.run_id, self.shards, self.admitted, self.only_admitted)
         for pid, (claim, expiry) in found.items():
+            if self.model is not None and not holds_its_path(self.model, claim):
+                continue
             if claim.leaving:
                 self._entries.pop(pid, None)
             else:

@@ -36,6 +36,7 @@ from peer.swarm.claims import (
     last_held,
     publish_claim,
     should_move,
+    steering_claims,
 )
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
@@ -323,7 +324,8 @@ class Membership:
             return None
         claims = dict(self.read_claims())
         claims[self.peer_id] = self.claim_record()
-        return plan_rotation(cfg, claims, round_index, every, tolerance=self.manifest.sync.inner_steps)
+        steering, h = steering_claims(claims, self.standing, self.peer_id), self.manifest.sync.inner_steps
+        return plan_rotation(cfg, claims, round_index, every, h, steps_per_round=h, counted=set(steering))
 
     def move_to(self, path: Path) -> None:
         """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`."""

@@ -6,9 +6,16 @@ on its claim view: the swarm's inner steps per path (the sum of the claims' `pat
 most one mover — a peer on a most-trained path — to the least-trained path nobody holds. Every peer
 computes the same answer from the same view, and only the mover acts on it.
 
-The counts are claims, not facts: a peer lying about its `path_steps` can at most attract rotation
-to a path or repel it from one, which costs nothing worse than an imbalance of training time. They
-never decide what is averaged or whose state is trusted.
+The counts are claims, not facts, so they are bounded before they steer: only the counts of
+claims with standing count (`peer.swarm.claims.steering_claims`: admitted peers' where any is
+admitted), each scaled down to what the run's age allows, H inner steps per outer round so far (a
+peer trains one path at a time, one round of H steps after another; the round is the evaluating
+peer's own, not a claim). Inside that bound an admitted liar can still attract rotation to a path or
+repel it from one, or hold a move back by saying it trained the target path all along: an imbalance
+of training time, never a say in what is averaged or whose state is trusted. Only confirmations (the
+target's holders counting rounds they averaged with it) would bound it further. Who is on which path
+is judged on every claim (a peer on probation trains like any other), so keys that claim every
+uncovered path can still hold rotation back while they keep claiming.
 """
 
 from __future__ import annotations
@@ -32,14 +39,19 @@ class Rotation:
     steps: dict[int, int]
 
 
-def swarm_path_steps(cfg: ModelConfig, claims: Mapping[str, ClaimRecord]) -> dict[int, int]:
-    """Inner steps per path index (every path of the grid), summed over the claims' `path_steps`."""
+def swarm_path_steps(
+    cfg: ModelConfig, claims: Mapping[str, ClaimRecord], max_steps: int | None = None
+) -> dict[int, int]:
+    """Inner steps per path index (every path of the grid), summed over the claims' `path_steps`, each
+    claim's scaled down to at most `max_steps` in all (None: as claimed)."""
     steps = dict.fromkeys(range(cfg.n_paths), 0)
     for claim in claims.values():
+        total = sum(claim.path_steps.values())
+        scale = 1.0 if max_steps is None or total <= max_steps else max_steps / total
         for key, n in claim.path_steps.items():
             index = int(key)
             if index in steps:
-                steps[index] += n
+                steps[index] += int(n * scale)
     return steps
 
 
@@ -49,6 +61,8 @@ def plan_rotation(
     round_index: int,
     every_rounds: int,
     tolerance: int = 0,
+    steps_per_round: int | None = None,
+    counted: set[str] | None = None,
 ) -> Rotation | None:
     """The rotation the swarm makes at the end of outer round `round_index`, or None.
 
@@ -57,6 +71,9 @@ def plan_rotation(
     least-trained uncovered path; the candidates are the live peers whose path has the most steps,
     within `tolerance` (views a heartbeat apart then agree on them); the mover is the candidate with
     the highest stable_seed(peer id, round). A peer only moves to a path trained less than its own.
+    `steps_per_round` (H): a claim counts at most H × (round_index + 1) steps (None: no bound);
+    `counted`: the peers whose step counts count (None: all). Who is live and on which path is judged
+    on every claim: a peer on probation trains its path like any other.
     """
     if every_rounds <= 0 or round_index <= 0 or round_index % every_rounds:
         return None
@@ -67,7 +84,9 @@ def plan_rotation(
     uncovered = [p for p in range(cfg.n_paths) if coverage[p] == 0]
     if not uncovered:
         return None
-    steps = swarm_path_steps(cfg, {pid: c for pid, c in claims.items() if not c.leaving})
+    max_steps = None if steps_per_round is None else steps_per_round * (round_index + 1)
+    counting = {pid: c for pid, c in claims.items() if not c.leaving and (counted is None or pid in counted)}
+    steps = swarm_path_steps(cfg, counting, max_steps)
     target = min(uncovered, key=lambda p: (steps[p], stable_seed("rotation target", round_index, p)))
     top = max(steps.get(c.path, 0) for c in live.values())
     candidates = [pid for pid, c in live.items() if steps.get(c.path, 0) >= top - tolerance]
