@@ -200,7 +200,7 @@ def render_page(status: dict, mine: str = "") -> str:
     cards = [("peers", len(status["peers"])), ("training", status["by_state"].get("training", 0)),
              ("tokens/s (measured)", f"{status['tokens_per_second']:.0f}"), ("orphaned modules", len(status["orphaned"])),
              ("under-replicated", len(status["under_replicated"])), ("uncovered paths", len(status["uncovered_paths"])),
-             ("bad parts", sum(status["bad_parts"].values()))]  # fmt: skip
+             ("bad parts", sum(status["bad_parts"].values())), ("claims refused", status["claims_refused"])]  # fmt: skip
     cards_html = "".join(
         f'<div class="card" id="card-{escape(k.replace(" ", "-").replace("/", "-"))}">{escape(k)}<b>{v}</b></div>'
         for k, v in cards
@@ -215,7 +215,7 @@ def render_page(status: dict, mine: str = "") -> str:
  every number is what peers claim about themselves · <a href="/api/status">JSON</a></div>
 <h2>Swarm</h2><div class="cards">{cards_html}</div>{warn}
 <h2>Paths × modules (holders)</h2>{grid_table(status)}
-<div class="sub">red: no training holder · amber: one holder (one departure from losing it) · green: 2+</div>
+<div class="sub">confirmed holders (the run creator's admission, once anyone has it): red none · amber one (one departure from losing it) · green 2+; "(n claimed)": holders counting those without admission</div>
 <h2>Contribution over the run</h2>{contribution_section(status, mine)}
 <h2>Over time</h2>{charts(status)}
 <h2>Peers</h2><form method="get">
