@@ -19,6 +19,8 @@ live in this module because validators and storage meet only inside the DHT proc
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import os
 from collections.abc import Callable
 
@@ -41,6 +43,10 @@ class SubkeyCap:
         self.admitted = admitted
         self._salt = os.urandom(16)
         self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
+        #: per key, a min-heap of (rank, tiebreak, subkey) of its stored records, lowest first; stale
+        #: items (evicted, expired or re-ranked records) are dropped when they come to the top
+        self._heaps: dict[DHTID, list[tuple[tuple[bool, bytes], int, object]]] = {}
+        self._tiebreak = itertools.count()
 
     def rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
         """(admitted, salted hash of the owner) of a record now being stored: higher is kept.
@@ -65,20 +71,52 @@ class SubkeyCap:
 
     def make_room(self, key: DHTID, entries: DictionaryDHTValue, subkey, value: bytes) -> bool:
         """Whether `subkey` may be stored in `entries` now, evicting the lowest ranked if needed.
-        Every store ranks its record (its admission may have changed), in O(1) plus, at a full key,
-        one pass over the remembered ranks of the key's records."""
+        Every store ranks its record (its admission may have changed). The lowest ranked record of a
+        full key comes from a heap kept per key, so a store costs O(log cap) amortized: a scan of the
+        key's records on every store took most of a storage node's CPU under a flood of new keys."""
         new = self.rank(key, subkey, value)
         if subkey in entries or len(entries) < self.cap:
+            self._push(key, entries, new, subkey)
             return True
-        worst, worst_rank = None, None
-        for s, item in entries.items():
-            r = self._known_rank(key, s, item.value)
-            if worst_rank is None or r < worst_rank:
-                worst, worst_rank = s, r
-        if new <= worst_rank:
+        worst, worst_rank = self._lowest(key, entries)
+        if worst_rank is not None and new <= worst_rank:
             return False
-        del entries[worst]
+        if worst is not None:
+            del entries[worst]
+            heapq.heappop(self._heaps[key])
+        self._push(key, entries, new, subkey)
         return True
+
+    def forget(self, key: DHTID) -> None:
+        """Drops `key`'s heap (its records were replaced wholesale); the next store rebuilds it."""
+        self._heaps.pop(key, None)
+
+    def _push(self, key: DHTID, entries: DictionaryDHTValue, rank: tuple[bool, bytes], subkey) -> None:
+        heap = self._heaps.get(key)
+        if heap is None or len(heap) > 4 * self.cap + 64:
+            heap = self._rebuild(key, entries)
+        heapq.heappush(heap, (rank, next(self._tiebreak), subkey))
+
+    def _rebuild(self, key: DHTID, entries: DictionaryDHTValue) -> list:
+        ranked = ((self._known_rank(key, s, item.value), s) for s, item in entries.items())
+        heap = [(rank, next(self._tiebreak), s) for rank, s in ranked]
+        heapq.heapify(heap)
+        self._heaps[key] = heap
+        return heap
+
+    def _lowest(self, key: DHTID, entries: DictionaryDHTValue) -> tuple[object, tuple[bool, bytes] | None]:
+        """The lowest ranked record stored under `key` and its rank, at the top of the key's heap."""
+        heap = self._heaps.get(key)
+        for _ in range(2):  # the kept heap, then (if it ran out of valid items) one rebuilt from entries
+            heap = self._rebuild(key, entries) if heap is None else heap
+            while heap:
+                rank, _, s = heap[0]
+                item = entries.get(s)
+                if item is not None and self._known_rank(key, s, item.value) == rank:
+                    return s, rank
+                heapq.heappop(heap)  # evicted, expired, or ranked anew by a later store
+            heap = None
+        return None, None
 
     def trimmed(self, key: DHTID, entries: DictionaryDHTValue) -> DictionaryDHTValue:
         """`entries` cut to the `cap` highest ranked (a whole dictionary stored at once, e.g. cached)."""
@@ -113,6 +151,8 @@ def _capped_store_subkey(store_subkey):
             if current is not None and isinstance(current.value, DictionaryDHTValue):
                 if not cap.make_room(key, current.value, subkey, value):
                     return False
+            else:
+                cap.forget(key)  # the key's first record since it expired: a heap from before is stale
         return store_subkey(self, key, subkey, value, expiration_time)
 
     patched.pathswarm_capped = True
@@ -124,6 +164,7 @@ def _capped_store(store):
         cap = _CAPS.get(key)
         if cap is not None and subkey is None and isinstance(value, DictionaryDHTValue):
             value = cap.trimmed(key, value)
+            cap.forget(key)
         return store(self, key, value, expiration_time, subkey)
 
     patched.pathswarm_capped = True

@@ -1,0 +1,89 @@
+"""A storage node's cap on a claim shard (dht/shard_store.py), on hivemind's own DHTLocalStorage in
+this process: which records it keeps at a full key, and what a store there costs."""
+
+from __future__ import annotations
+
+import random
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from dht.shard_store import SubkeyCap, cap_keys
+
+KEY = b"a claim shard"
+CAP = 16
+
+
+def record(peer: str, admitted: bool) -> bytes:
+    return MSGPackSerializer.dumps({"peer_id": peer, "admission": "ok" if admitted else ""})
+
+
+def storage_with_cap() -> tuple[DHTLocalStorage, SubkeyCap, DHTID]:
+    key = DHTID.generate(source=KEY)
+    cap = SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok")
+    cap_keys(cap)
+    return DHTLocalStorage(), cap, key
+
+
+def test_a_full_key_keeps_the_admitted_records_then_the_highest_salted_hashes_whatever_the_order():
+    storage, cap, key = storage_with_cap()
+    rng, expiry = random.Random(0), get_dht_time() + 600
+    owners = [(f"owner{i}".encode(), f"Qm{i}", i % 20 == 0) for i in range(200)]
+    rng.shuffle(owners)
+    for subkey, peer, admitted in owners:
+        storage.store_subkey(key, subkey, record(peer, admitted), expiry)
+        # an owner already stored always renews its record
+        if rng.random() < 0.2:
+            assert storage.store_subkey(key, subkey, record(peer, admitted), expiry + 1) in (True, False)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    expected = sorted(owners, key=lambda o: cap.rank(key, o[0], record(o[1], o[2])), reverse=True)[:CAP]
+    assert kept == {s for s, _, _ in expected}
+    assert sum(a for s, _, a in owners if s in kept) == min(CAP, sum(a for _, _, a in owners))
+    # three kept strangers get admitted and renew: a flood of new strangers evicts none of them
+    # (the lowest ranked of them first: a heap that kept their old rank would evict them first)
+    strangers = [(s, p) for s, p, a in owners if s in kept and not a]
+    raised = sorted(strangers, key=lambda o: cap.rank(key, o[0], record(o[1], False)))[:3]
+    for subkey, peer in raised:
+        assert storage.store_subkey(key, subkey, record(peer, True), expiry + 2)
+    for i in range(100):
+        storage.store_subkey(key, f"late{i}".encode(), record(f"Ql{i}", False), expiry)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    assert len(raised) == 3 and all(s in kept for s, _ in raised)
+
+
+def test_a_store_at_a_full_key_looks_up_a_few_ranks_not_every_records():
+    storage, cap, key = storage_with_cap()
+    expiry = get_dht_time() + 600
+    lookups = 0
+    known_rank = cap._known_rank
+
+    def counting(*args):
+        nonlocal lookups
+        lookups += 1
+        return known_rank(*args)
+
+    cap._known_rank = counting
+    for i in range(CAP):
+        storage.store_subkey(key, f"first{i}".encode(), record(f"Qm{i}", False), expiry)
+    lookups, stores = 0, 2000
+    for i in range(stores):
+        storage.store_subkey(key, f"flood{i}".encode(), record(f"Qf{i}", False), expiry)
+    assert len(storage.get(key).value) == CAP
+    # a scan of the key on each store would look up CAP ranks per store (16 here, 512 in a run)
+    assert lookups < 4 * stores, lookups
+
+
+def test_a_key_stored_anew_after_it_expired_keeps_its_highest_ranked_records():
+    storage, cap, key = storage_with_cap()
+    expiry = get_dht_time() + 600
+    for i in range(CAP):
+        storage.store_subkey(key, f"old{i}".encode(), record(f"Qo{i}", False), expiry)
+    del storage[key]  # as if every record under the key had expired
+    fresh = [(f"new{i}".encode(), f"Qn{i}") for i in range(4 * CAP)]
+    # the lowest ranked newcomer is the key's first record again, then the rest
+    fresh.sort(key=lambda o: cap.rank(key, o[0], record(o[1], False)))
+    for subkey, peer in fresh:
+        storage.store_subkey(key, subkey, record(peer, False), expiry)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    assert kept == {s for s, _ in fresh[-CAP:]}
