@@ -22,6 +22,7 @@ import hashlib
 import heapq
 import itertools
 import os
+import weakref
 from collections.abc import Callable
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -43,9 +44,10 @@ class SubkeyCap:
         self.admitted = admitted
         self._salt = os.urandom(16)
         self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
-        #: per key, a min-heap of (rank, tiebreak, subkey) of its stored records, lowest first; stale
-        #: items (evicted, expired or re-ranked records) are dropped when they come to the top
-        self._heaps: dict[DHTID, list[tuple[tuple[bool, bytes], int, object]]] = {}
+        #: per stored dictionary (a node's storage and its cache each hold one per key, and a key that
+        #: expired and came back has a new one), a min-heap of (rank, tiebreak, subkey) of its records,
+        #: lowest first; stale items (evicted, expired or re-ranked records) are dropped at the top
+        self._heaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tiebreak = itertools.count()
 
     def rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
@@ -83,16 +85,12 @@ class SubkeyCap:
             return False
         if worst is not None:
             del entries[worst]
-            heapq.heappop(self._heaps[key])
+            heapq.heappop(self._heaps[entries])
         self._push(key, entries, new, subkey)
         return True
 
-    def forget(self, key: DHTID) -> None:
-        """Drops `key`'s heap (its records were replaced wholesale); the next store rebuilds it."""
-        self._heaps.pop(key, None)
-
     def _push(self, key: DHTID, entries: DictionaryDHTValue, rank: tuple[bool, bytes], subkey) -> None:
-        heap = self._heaps.get(key)
+        heap = self._heaps.get(entries)
         if heap is None or len(heap) > 4 * self.cap + 64:
             heap = self._rebuild(key, entries)
         heapq.heappush(heap, (rank, next(self._tiebreak), subkey))
@@ -101,12 +99,12 @@ class SubkeyCap:
         ranked = ((self._known_rank(key, s, item.value), s) for s, item in entries.items())
         heap = [(rank, next(self._tiebreak), s) for rank, s in ranked]
         heapq.heapify(heap)
-        self._heaps[key] = heap
+        self._heaps[entries] = heap
         return heap
 
     def _lowest(self, key: DHTID, entries: DictionaryDHTValue) -> tuple[object, tuple[bool, bytes] | None]:
         """The lowest ranked record stored under `key` and its rank, at the top of the key's heap."""
-        heap = self._heaps.get(key)
+        heap = self._heaps.get(entries)
         for _ in range(2):  # the kept heap, then (if it ran out of valid items) one rebuilt from entries
             heap = self._rebuild(key, entries) if heap is None else heap
             while heap:
@@ -151,8 +149,6 @@ def _capped_store_subkey(store_subkey):
             if current is not None and isinstance(current.value, DictionaryDHTValue):
                 if not cap.make_room(key, current.value, subkey, value):
                     return False
-            else:
-                cap.forget(key)  # the key's first record since it expired: a heap from before is stale
         return store_subkey(self, key, subkey, value, expiration_time)
 
     patched.pathswarm_capped = True
@@ -164,7 +160,6 @@ def _capped_store(store):
         cap = _CAPS.get(key)
         if cap is not None and subkey is None and isinstance(value, DictionaryDHTValue):
             value = cap.trimmed(key, value)
-            cap.forget(key)
         return store(self, key, value, expiration_time, subkey)
 
     patched.pathswarm_capped = True

@@ -87,3 +87,27 @@ def test_a_key_stored_anew_after_it_expired_keeps_its_highest_ranked_records():
         storage.store_subkey(key, subkey, record(peer, False), expiry)
     kept = {s for s, _ in storage.get(key).value.items()}
     assert kept == {s for s, _ in fresh[-CAP:]}
+
+
+def test_a_nodes_storage_and_its_cache_under_one_cap_each_keep_their_own_best():
+    storage, cap, key = storage_with_cap()
+    cache = DHTLocalStorage()  # hivemind keeps cached values in a second storage of the same class
+    expiry = get_dht_time() + 600
+    owners = [(f"owner{i}".encode(), f"Qm{i}") for i in range(4 * CAP)]
+    owners.sort(key=lambda o: cap.rank(key, o[0], record(o[1], False)))  # lowest ranked first
+
+    def put(store: DHTLocalStorage, owner: tuple[bytes, str], later: float = 0.0) -> bool:
+        return store.store_subkey(key, owner[0], record(owner[1], False), expiry + later)
+
+    half = CAP // 2
+    first = owners[:half] + owners[-half:]  # the storage: the lowest ranked and the highest
+    for owner in first:
+        assert put(storage, owner)
+    for owner in owners[CAP : 2 * CAP + 1]:  # the cache fills past its cap, ranked above the lowest
+        put(cache, owner)
+    assert put(storage, first[-1], later=1.0)  # the storage's best renews its record
+    # a newcomer ranked above the storage's lowest takes a lowest one's place there
+    newcomer = owners[half + 1]
+    assert put(storage, newcomer)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    assert newcomer[0] in kept and owners[0][0] not in kept and len(kept) == CAP
