@@ -86,6 +86,9 @@ def table(result: dict) -> str:
         ("flood: run tokens/s before / during",
          f"{f['tokens_per_second_before']} / {f['tokens_per_second_during']}"),
         ("flood: run_tokens_ratio", str(f["run_tokens_ratio"])),
+        ("flood: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
+        ("flood: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
+         + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),
         ("flood: watcher reads that saw both admitted peers", str(f["honest_seen_during_flood"])),
     ]  # fmt: skip
     lines = ["| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)]

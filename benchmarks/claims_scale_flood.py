@@ -19,9 +19,11 @@ import argparse
 import math
 import random
 import time
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
+import psutil
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -48,6 +50,26 @@ PEERS = ("p0", "p1")
 def _run_args(args: argparse.Namespace) -> argparse.Namespace:
     """A run long enough to outlast both windows (the peers are stopped after them)."""
     return argparse.Namespace(rounds=10_000, inner_steps=10, d_model=64, batch_size=8, builtin_docs=1500)
+
+
+def _cpu_seconds(pids: Iterable[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes `pids` and all their descendants
+    (a peer's DHT process and p2p daemon are its children)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:  # a process that already left has nothing more to count
+            continue
+    return total
+
+
+def _cores(start: dict, end: dict, groups: Iterable[str]) -> dict[str, float]:
+    """Cores each group used on average between two `_cpu_seconds` snapshots."""
+    return {g: round((end[g] - start[g]) / (end["at"] - start["at"]), 2) for g in groups}
 
 
 def _tokens_per_second(samples: list[tuple[float, int]], start: float, end: float) -> float:
@@ -114,13 +136,20 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
                 flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
             ]
             sleep_polling(args.warmup_seconds)
+            # who used the machine's CPU in each window: the run's own processes (its peers with their
+            # DHT processes and daemons, the bootstrap) and the flood's publishers; on one machine the
+            # flood's CPU is taken from the run's, where a real attacker spends its own
+            groups = {"run": [p.pid for p in swarm.procs.values()], "flood": [n.pid for n in publishers]}
+            cpu = [{"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}}]
             before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             walls = [time.time()]
             sleep_polling(args.flood_window_seconds)
+            cpu.append({"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}})
             flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             walls += [time.time(), time.time() + args.flood_window_seconds]
             stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))
+            cpu.append({"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}})
             alive = all(swarm.alive(n) for n in PEERS)
         finally:
             for node in publishers:
@@ -140,6 +169,9 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
         "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
         "peers_alive_after": alive, "run": run, "tokens_measured_by": measured_by,
+        # cores used on average in each window, by the run's processes and by the flood's publishers
+        "cores_before": _cores(cpu[0], cpu[1], groups), "cores_during": _cores(cpu[1], cpu[2], groups),
+        "machine_cores": psutil.cpu_count(),
     }  # fmt: skip
 
 

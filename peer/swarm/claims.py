@@ -95,11 +95,11 @@ def holds_its_path(cfg: ModelConfig, claim: ClaimRecord) -> bool:
 def steering_claims(
     claims: dict[str, ClaimRecord], standing: Standing, me: str | None = None
 ) -> dict[str, ClaimRecord]:
-    """The claims that steer where peers train (path choice, rotation): admitted peers' where any
-    claimant is admitted, else all (`Standing.voters`: every peer reaches the same set from the same
-    view, so they agree on who moves). Free keys claiming paths then neither fill nor empty a path in
-    anyone's eyes, nor stop a rotation with made-up step counts. `me`: our own claim counts with our
-    token as it is now (`standing.own_token`), not as last read."""
+    """The claims whose step counts steer rotation (peer/swarm/rotation.py): admitted peers' where
+    any claimant is admitted, else all (`Standing.voters`: every peer reaches the same set from the
+    same view, so they agree on who moves), so that free keys cannot stop a rotation with made-up
+    counts. `me`: our own claim counts with our token as it is now (`standing.own_token`), not as
+    last read."""
     tokens = {pid: c.admission for pid, c in claims.items()}
     if me in tokens:
         tokens[me] = standing.own_token
