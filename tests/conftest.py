@@ -47,7 +47,6 @@ LONGEST_FIRST = (
     "tests/test_demo.py::",
     "tests/test_faults_swarm.py::test_clocks_apart",
     "tests/test_first_hour.py::test_peers_refuse_a_data_copy",
-    "tests/test_nat.py::",
 )
 
 
