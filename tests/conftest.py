@@ -37,28 +37,6 @@ multiprocessing.process.BaseProcess.start = _counting(
 )
 
 
-#: the suite's longest tests (measured with `pytest --durations=60`: 60 s to 270 s each on 2 cores),
-#: started first: a four-minute test collected last keeps one worker busy alone at the end
-LONGEST_FIRST = (
-    "tests/test_readme.py::test_the_researchers_steps_run_as_written",
-    "tests/test_docker.py::",
-    "tests/test_faults_swarm.py::test_a_flood_of_forged_claims",
-    "tests/test_partition.py::",
-    "tests/test_demo.py::",
-    "tests/test_faults_swarm.py::test_clocks_apart",
-    "tests/test_first_hour.py::test_peers_refuse_a_data_copy",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The `LONGEST_FIRST` tests at the front, in that order; the rest as collected."""
-
-    def rank(item) -> int:
-        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
-
-    items.sort(key=rank)
-
-
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "swarm: starts processes or swarms (the slow tier: -m 'not swarm' skips it)"
