@@ -54,6 +54,7 @@ class SyncService:
         self.refused: Counter[str] = Counter()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._closing = False  # set on shutdown: streams still arriving are closed unread
         self._background = BackgroundLoop("sync")
         self.loop = self._background.loop
         self.p2p = self.call(self._start(dht), timeout=30)
@@ -73,7 +74,10 @@ class SyncService:
 
     def shutdown(self) -> None:
         async def cleanup():
-            await self.p2p.remove_binary_stream_handler(wire.PROTOCOL)
+            # the handler stays registered until the daemon's connection closes: a holder's stream
+            # arriving after it was removed would make hivemind log an ERROR (DispatchFailure) in
+            # every peer that leaves while others still sync; it is refused quietly instead
+            self._closing = True
             await self.p2p.shutdown()
 
         self._background.stop(cleanup)
@@ -82,6 +86,9 @@ class SyncService:
 
     async def _handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = stream_info.peer_id.to_base58()  # authenticated by libp2p: the sender's own key
+        if self._closing:
+            writer.close()
+            return
         try:
             await asyncio.wait_for(self._dispatch(sender, reader, writer), self.stream_timeout)
         except (wire.WireError, asyncio.IncompleteReadError, ConnectionError, TimeoutError) as e:
