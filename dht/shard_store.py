@@ -74,8 +74,8 @@ class SubkeyCap:
     def make_room(self, key: DHTID, entries: DictionaryDHTValue, subkey, value: bytes) -> bool:
         """Whether `subkey` may be stored in `entries` now, evicting the lowest ranked if needed.
         Every store ranks its record (its admission may have changed). The lowest ranked record of a
-        full key comes from a heap kept per key, so a store costs O(log cap) amortized: a scan of the
-        key's records on every store took most of a storage node's CPU under a flood of new keys."""
+        full key comes from a heap kept per stored dictionary, so a store costs O(log cap) amortized:
+        a scan of the key's records on every store took most of a storage node's CPU under a flood."""
         new = self.rank(key, subkey, value)
         if subkey in entries or len(entries) < self.cap:
             self._push(key, entries, new, subkey)
@@ -103,7 +103,7 @@ class SubkeyCap:
         return heap
 
     def _lowest(self, key: DHTID, entries: DictionaryDHTValue) -> tuple[object, tuple[bool, bytes] | None]:
-        """The lowest ranked record stored under `key` and its rank, at the top of the key's heap."""
+        """The lowest ranked record in `entries` and its rank, from the top of their heap."""
         heap = self._heaps.get(entries)
         for _ in range(2):  # the kept heap, then (if it ran out of valid items) one rebuilt from entries
             heap = self._rebuild(key, entries) if heap is None else heap

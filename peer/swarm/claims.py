@@ -85,13 +85,6 @@ def read_shards(
     return out
 
 
-def holds_its_path(cfg: ModelConfig, claim: ClaimRecord) -> bool:
-    """Whether a claim's modules are exactly those of its path. What a peer holds follows from the
-    path it claims, never from a list it writes: a claim listing every module would make its key a
-    holder of all of them (sparing a real last holder its hand-over, hiding orphaned modules)."""
-    return is_path_of(cfg, claim.path, claim.modules)
-
-
 def steering_claims(
     claims: dict[str, ClaimRecord], standing: Standing, me: str | None = None
 ) -> dict[str, ClaimRecord]:
@@ -151,7 +144,8 @@ class ClaimView:
     def update(self, dht: hivemind.DHT) -> dict[str, ClaimRecord]:
         found = read_shards(dht, self.run_name, self.run_id, self.shards, self.admitted, self.only_admitted)
         for pid, (claim, expiry) in found.items():
-            if self.model is not None and not holds_its_path(self.model, claim):
+            # what a peer holds follows from its path, never from a list it writes
+            if self.model is not None and not is_path_of(self.model, claim.path, claim.modules):
                 continue
             if claim.leaving:
                 self._entries.pop(pid, None)
