@@ -36,6 +36,9 @@ SPREAD_KEYS = (
     "ratio",
     "ratio_same_tokens",
     "ratio_all_params",
+    "composite_rerouted_ppl",
+    "ratio_same_tokens_rerouted",
+    "ratio_all_params_rerouted",
 )
 
 
@@ -155,7 +158,7 @@ def summarize_budget(factor: float, seeds: list[int], runs: list[dict]) -> dict:
         / models["dense same tokens"]["params"],
         tokens_per_param_grid=models[grid]["tokens"] / models[grid]["params"],
     )
-    out.update({key: spread([r[key] for r in runs]) for key in SPREAD_KEYS})
+    out.update({key: spread([r.get(key) for r in runs]) for key in SPREAD_KEYS})
     # Epochs: each arm's tokens over the tokens of its own training data (the whole corpus; for a
     # grid's path, its shard, plus the base's pass over the corpus). Shards differ by seed (the
     # router's k-means), so the most-repeated path is the max over seeds.
@@ -285,8 +288,9 @@ def budgets_table(budgets: dict[str, dict], found: dict[str, dict]) -> str:
     lines = [
         "| budget | base + per path steps | tokens/param (path; same tokens) | epochs (grid; most-repeated "
         "path; dense; same tokens; all params) | composite | dense | dense same tokens | dense all params "
-        "| composite / same tokens | composite / all params |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| composite / same tokens | composite / all params | composite, every window re-routed "
+        "| re-routed / same tokens | re-routed / all params |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, b in budgets.items():
         e = b["epochs"]
@@ -303,7 +307,7 @@ def budgets_table(budgets: dict[str, dict], found: dict[str, dict]) -> str:
         )
         steps = f"{b['warm_start_steps']:,} + {b['steps_per_path']:,}"
         per_param = f"{b['tokens_per_param_path']:.1f}; {b['tokens_per_param_same_tokens']:.1f}"
-        ppls = " | ".join(_pm(b[k]) for k in SPREAD_KEYS if k != "ratio")
+        ppls = " | ".join(_pm(b.get(k)) for k in SPREAD_KEYS if k != "ratio")
         repeats = " (repeats)" if b["data_repeats"] else ""
         lines.append(f"| ×{label} | {steps} | {per_param} | {epochs}{repeats} | {ppls} |")
     lines.append("")

@@ -136,8 +136,12 @@ def summarize(args, m: Measured, main_sim: SimConfig, spec, n_train: int, option
     composite = evals[f"dipaco {main_grid}"].ppl
     ppl = {key: evals[name].ppl if name in evals else None for name, key in BASELINES.items()}
     ratio = {key: composite / v if v else None for key, v in ppl.items()}
+    rerouted = evals[f"dipaco {main_grid} rerouted"].ppl
     return dict(
         composite_ppl=composite,
+        composite_rerouted_ppl=rerouted,
+        ratio_same_tokens_rerouted=rerouted / ppl["dense_same_tokens"],
+        ratio_all_params_rerouted=rerouted / ppl["dense_all_params"] if ppl["dense_all_params"] else None,
         **{f"{key}_ppl": v for key, v in ppl.items()},
         ratio=ratio["dense"],
         ratio_same_tokens=ratio["dense_same_tokens"],

@@ -112,3 +112,21 @@ def test_sweeps_run_in_parts_combine_into_one_and_a_part_with_other_settings_is_
     (odd / "dipaco_runs.json").write_text(json.dumps(runs))
     with pytest.raises(SystemExit, match="batch_size"):
         combine([parts[0], odd])
+
+
+def test_held_out_documents_are_a_seeded_sample_of_the_whole_evaluation_split_not_its_first(tmp_path):
+    from peer.data.sources import split_of
+
+    # A file in source-tree order: the first evaluation documents are all of one kind.
+    texts = [f"module {i:05d} " + ("alpha " if i < 3000 else "omega ") * 8 for i in range(6000)]
+    data = tmp_path / "ordered.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = dipaco.parse_args(
+        ["--out", str(tmp_path / "o"), "--data_files", str(data), "--max_eval_docs", "40"]
+    )
+    spec, train, held_out = dipaco.load_data(args)
+    again = dipaco.load_data(args)[2]
+    evaluation = [t for t in texts if split_of(t, spec) == "eval"]
+    assert held_out == again and len(held_out) == 40 and set(held_out) <= set(evaluation)
+    assert held_out != evaluation[:40]
+    assert any("omega" in t for t in held_out) and any("alpha" in t for t in held_out)

@@ -17,7 +17,7 @@ from peer.data.sources import split_of
 from peer.model.grid import ModelConfig, all_module_ids, path_from_index
 from peer.model.tokenizer import ByteTokenizer
 from peer.model.transformer import GridModel, PathModel
-from peer.offline.evaluation import evaluate, score_documents, windows
+from peer.offline.evaluation import evaluate, evaluate_rerouted, score_documents, score_windows, windows
 from peer.offline.experiment import DipacoOptions, run_dipaco
 from peer.offline.grid_checkpoints import assemble_grid
 from peer.offline.simulate import SimConfig
@@ -32,6 +32,36 @@ def _full_nll(model: PathModel, tokens: list[int], skip: int) -> tuple[float, in
         logp = torch.log_softmax(model(t[:, :-1]).double(), -1)[0]
     picked = logp[torch.arange(len(tokens) - 1), t[0, 1:]]
     return float(-picked[skip - 1 :].sum()), len(tokens) - skip
+
+
+def test_rerouting_at_evaluation_scores_each_window_with_the_path_its_preceding_tokens_pick():
+    tok = ByteTokenizer()
+    grid = GridModel(ModelConfig(**SMALL), seed=4)
+    # A route that reads a document's first 32 tokens, as the run's router does: a "b" picks path 3.
+    b = tok.encode("b")[0]
+
+    def route(token_lists):
+        return [3 if b in t[:32] else 0 for t in token_lists]
+
+    # The "b"s start at the first target of a window (position 129; BOS is 0): only a route that
+    # peeked at what it scores would send that window to path 3.
+    texts = ["a" * 128 + "b" * 112, "a" * 60]
+    rerouted = evaluate_rerouted(grid, texts, tok, route, context=64)
+    prefix = evaluate(grid, texts, tok, route, context=64)
+    assert set(prefix.per_path) == {0} and set(rerouted.per_path) == {0, 3}
+    assert rerouted.tokens == prefix.tokens and rerouted.text_bytes == prefix.text_bytes
+    # By hand: a window goes to path 3 when the 32 tokens before its first target hold a "b".
+    token_lists = [encode_document(tok, t) for t in texts]
+    jobs = [(d, w) for d, toks in enumerate(token_lists) for w in windows(len(toks), 32, 64)]
+    by_path = {0: [], 3: []}
+    for d, (start, first, last) in jobs:
+        by_path[3 if b in token_lists[d][first - 32 : first] else 0].append((d, (start, first, last)))
+    assert by_path[3] and by_path[0]
+    for p, mine in by_path.items():
+        nll, count = score_windows(grid.path_model(path_from_index(grid.cfg, p)), token_lists, mine)
+        assert rerouted.per_path[p].tokens == int(count.sum())
+        assert rerouted.per_path[p].nll == pytest.approx(float(nll.sum()), rel=1e-9)
+    assert rerouted.per_path[0].docs == 2 and rerouted.per_path[3].docs == 0
 
 
 def test_composite_perplexity_matches_a_hand_computation():

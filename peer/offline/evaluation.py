@@ -111,19 +111,17 @@ def windows(n_tokens: int, skip: int, context: int) -> list[tuple[int, int, int]
     return out
 
 
+Job = tuple[int, tuple[int, int, int]]
+"""(document index, window (start, first, last) as `windows` makes them)."""
+
+
 @torch.no_grad()
-def score_documents(
-    model: PathModel,
-    token_lists: Sequence[Sequence[int]],
-    skip: int = PREFIX_TOKENS,
-    context: int | None = None,
-    batch_size: int = 32,
+def score_windows(
+    model: PathModel, token_lists: Sequence[Sequence[int]], jobs: Sequence[Job], batch_size: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nll sums float64, scored token counts int64), one entry per document."""
-    context = min(context or model.cfg.max_seq_len, model.cfg.max_seq_len)
-    jobs = [(d, w) for d, toks in enumerate(token_lists) for w in windows(len(toks), skip, context)]
-    nll = torch.zeros(len(token_lists), dtype=torch.float64)
-    count = torch.zeros(len(token_lists), dtype=torch.int64)
+    """(nll sums float64, scored token counts int64), one entry per job."""
+    nll = torch.zeros(len(jobs), dtype=torch.float64)
+    count = torch.zeros(len(jobs), dtype=torch.int64)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -143,12 +141,27 @@ def score_documents(
             losses = F.cross_entropy(
                 logits.transpose(1, 2), targets.to(device), ignore_index=-100, reduction="none"
             )
-            per_row = losses.double().sum(1).cpu()
-            rows = torch.tensor([d for d, _ in batch])
-            nll.index_add_(0, rows, per_row)
-            count.index_add_(0, rows, (targets != -100).sum(1))
+            nll[lo : lo + len(batch)] = losses.double().sum(1).cpu()
+            count[lo : lo + len(batch)] = (targets != -100).sum(1)
     finally:
         model.train(was_training)
+    return nll, count
+
+
+def score_documents(
+    model: PathModel,
+    token_lists: Sequence[Sequence[int]],
+    skip: int = PREFIX_TOKENS,
+    context: int | None = None,
+    batch_size: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nll sums float64, scored token counts int64), one entry per document."""
+    context = min(context or model.cfg.max_seq_len, model.cfg.max_seq_len)
+    jobs = [(d, w) for d, toks in enumerate(token_lists) for w in windows(len(toks), skip, context)]
+    per_job_nll, per_job_count = score_windows(model, token_lists, jobs, batch_size)
+    rows = torch.tensor([d for d, _ in jobs], dtype=torch.long)
+    nll = torch.zeros(len(token_lists), dtype=torch.float64).index_add_(0, rows, per_job_nll)
+    count = torch.zeros(len(token_lists), dtype=torch.int64).index_add_(0, rows, per_job_count)
     return nll, count
 
 
@@ -201,3 +214,41 @@ def scored_bytes(tokenizer: Tokenizer, ids: Sequence[int]) -> int:
     if isinstance(tokenizer, ByteTokenizer):
         return sum(1 for i in ids if 0 <= i < 256)  # exact, even where a window cuts a character
     return len(tokenizer.decode(list(ids)).encode("utf-8"))
+
+
+def evaluate_rerouted(
+    grid: GridModel,
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    route: Route,
+    *,
+    context: int | None = None,
+    skip: int = PREFIX_TOKENS,
+    batch_size: int = 32,
+) -> EvalResult:
+    """Finer-grained routing at evaluation (DiPaCo's re-routing every few tokens at test time): every
+    scoring window of a document (`windows`) goes to the path that `route` picks from the `skip`
+    tokens just before the window's first scored one, tokens already read and never scored by that
+    window. The first window's choice is `evaluate`'s (the document's first `skip` tokens), so the two
+    differ only on documents longer than one window. Sums are kept per path the windows went to; a
+    document counts under the path of its first window."""
+    context = min(context or grid.cfg.max_seq_len, grid.cfg.max_seq_len)
+    token_lists = [encode_document(tokenizer, t) for t in documents]
+    jobs = [(d, w) for d, toks in enumerate(token_lists) for w in windows(len(toks), skip, context)]
+    keys = [list(token_lists[d][max(0, first - skip) : first]) for d, (_, first, _) in jobs]
+    paths = route_documents(route, keys)
+    first_path = {}
+    for (d, _), p in zip(jobs, paths, strict=True):
+        first_path.setdefault(d, p)
+    result = EvalResult()
+    for p in sorted(set(paths)):
+        mine = [j for j, q in zip(jobs, paths, strict=True) if q == p]
+        nll, count = score_windows(
+            grid.path_model(path_from_index(grid.cfg, p)), token_lists, mine, batch_size
+        )
+        text_bytes = sum(
+            scored_bytes(tokenizer, token_lists[d][first : last + 1]) for d, (_, first, last) in mine
+        )
+        docs = sum(1 for q in first_path.values() if q == p)
+        result.per_path[p] = PathStats(docs, int(count.sum()), float(nll.sum()), text_bytes)
+    return result
