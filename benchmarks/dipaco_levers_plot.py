@@ -4,7 +4,7 @@ BUDGETS_JSON LEVERS_JSON`.
 BUDGETS_JSON is a `benchmarks.dipaco_combine` record (d=64, budgets x1, x2.5, x4 on data no arm
 repeats); LEVERS_JSON holds the arms of `benchmarks/dipaco_levers_device.sh` at one budget
 (`{"arms": {name: {tokens_per_param_same_tokens, ratio_same_tokens, ...}}}`). Both place composite /
-dense-same-tokens against tokens per parameter: more steps at one width (the budget curve) and fewer
+dense-same-tokens against tokens per parameter: a larger budget at one width (the budget curve) and fewer
 parameters at one budget (the width arms). If tokens per parameter were what closes the gap, the
 width arms would fall on the budget curve.
 """
@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     lo = [b["ratio_same_tokens"]["mean"] - b["ratio_same_tokens"]["min"] for b in budgets.values()]
     hi = [b["ratio_same_tokens"]["max"] - b["ratio_same_tokens"]["mean"] for b in budgets.values()]
     ax.errorbar(
-        xs, ys, yerr=[lo, hi], marker="o", capsize=3, label="d=64, budget x1 / x2.5 / x4 (more steps)"
+        xs,
+        ys,
+        yerr=[lo, hi],
+        marker="o",
+        capsize=3,
+        label="d=64, budget x1 / x2.5 / x4 (more steps and tokens)",
     )
     for x, y, label in zip(xs, ys, budgets, strict=True):
         ax.annotate(f"x{label}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
@@ -70,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xscale("log")
     ax.set_xlabel("tokens per parameter (dense same tokens model)")
     ax.set_ylabel("composite / dense same tokens (held-out ppl)")
-    ax.set_title("DiPaCo 2x2 on unique real text (H100, seeds 1 and 2): steps close the gap, size does not")
+    ax.set_title(
+        "DiPaCo 2x2 on unique real text (H100, seeds 1 and 2): the budget closes the gap, model size does not"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
