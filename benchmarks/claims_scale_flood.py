@@ -67,6 +67,11 @@ def _cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
+    """Now (monotonic seconds, "at") and each group's `_cpu_seconds` so far."""
+    return {"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}}
+
+
 def _cores(start: dict, end: dict, groups: Iterable[str]) -> dict[str, float]:
     """Cores each group used on average between two `_cpu_seconds` snapshots."""
     return {g: round((end[g] - start[g]) / (end["at"] - start["at"]), 2) for g in groups}
@@ -140,16 +145,16 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
             # DHT processes and daemons, the bootstrap) and the flood's publishers; on one machine the
             # flood's CPU is taken from the run's, where a real attacker spends its own
             groups = {"run": [p.pid for p in swarm.procs.values()], "flood": [n.pid for n in publishers]}
-            cpu = [{"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}}]
+            cpu = [_cpu_snapshot(groups)]
             before = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             walls = [time.time()]
             sleep_polling(args.flood_window_seconds)
-            cpu.append({"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}})
+            cpu.append(_cpu_snapshot(groups))
             flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             walls += [time.time(), time.time() + args.flood_window_seconds]
             stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))
-            cpu.append({"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}})
+            cpu.append(_cpu_snapshot(groups))
             alive = all(swarm.alive(n) for n in PEERS)
         finally:
             for node in publishers:

@@ -38,11 +38,6 @@ def file_paragraphs(source: Path) -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", text) if 200 <= len(p.strip()) <= 2000]
 
 
-def unique(docs: list[str]) -> list[str]:
-    """`docs` in order, each text once."""
-    return list(dict.fromkeys(docs))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -58,7 +53,7 @@ def main() -> None:
     if args.site_packages:
         for folder in sorted({paths["purelib"], paths["platlib"]}):
             docs += [d for source in sorted(Path(folder).rglob("*.py")) for d in file_paragraphs(source)]
-    docs = unique(docs)
+    docs = list(dict.fromkeys(docs))  # each paragraph once, in order
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     print(f"{len(docs)} documents, {sum(map(len, docs))} characters -> {args.out}")

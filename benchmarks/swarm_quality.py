@@ -367,7 +367,7 @@ def _measure(args: argparse.Namespace, folder: Path, started: float) -> dict:
     same_steps = sum(steps.values())
     same_tokens = evaluate(dense_from_base(args, manifest, base, train, tok, same_steps), docs, tok, route,
                            context=manifest.seq_len, routed=routed)  # fmt: skip
-    all_steps = args.warm_start_steps + sum(steps.values())
+    all_steps = args.warm_start_steps + same_steps
     big = dense_all_params(args, manifest, train, tok, all_steps)
     dense_big = evaluate(big, docs, tok, route, context=manifest.seq_len, routed=routed)
 
