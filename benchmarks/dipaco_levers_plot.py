@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xlabel("tokens per parameter (dense same tokens model)")
     ax.set_ylabel("composite / dense same tokens (held-out ppl)")
     ax.set_title(
-        "DiPaCo 2x2 on unique real text (H100, seeds 1 and 2): the budget closes the gap, model size does not"
+        "DiPaCo 2x2 on unique real text (H100, seeds 1 and 2):\n"
+        "the budget closes the gap, model size does not"
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
