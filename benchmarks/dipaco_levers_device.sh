@@ -13,7 +13,7 @@
 #   width_32_seed_S   the same at d=32: ~3.3x fewer parameters per path, so ~3.3x the tokens per parameter
 #   width_16_seed_S   d=16: ~10x
 #   relabel_32        d=32, discriminative re-routing half-way (DiPaCo's), against the same baselines
-#   budget_B_seed_S   d=64 at budget 1 or 4 (4: without the all-params model), for the budget curve on
+#   budget_B_seed_S   d=64 at budget 1, 4 or 8 (4, 8: without the all-params model), for the budget curve on
 #                     data that no arm repeats
 #   grid2x4_32        d=32, a 2x4 grid (two levels of four modules: 16 paths of the same size) at the
 #                     2x2's tokens, each path a quarter of the steps
@@ -47,6 +47,8 @@ declare -A flags=(
     [budget_1_seed_2]="--d_model 64 --seeds 2 --budgets 1"
     [budget_4_seed_1]="--d_model 64 --seeds 1 --budgets 4 --no_dense_all_params"
     [budget_4_seed_2]="--d_model 64 --seeds 2 --budgets 4 --no_dense_all_params"
+    [budget_8_seed_1]="--d_model 64 --seeds 1 --budgets 8 --no_dense_all_params"
+    [budget_8_seed_2]="--d_model 64 --seeds 2 --budgets 8 --no_dense_all_params"
 )
 arms=${ARMS:-"width_64_seed_1 width_64_seed_2 width_32_seed_1 width_32_seed_2 width_16_seed_1 width_16_seed_2 relabel_32 grid2x4_32"}
 pids=()

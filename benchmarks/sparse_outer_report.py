@@ -20,6 +20,15 @@ def _mean_curve(run: dict) -> list[tuple[int, float, float]]:
     return out
 
 
+def _candidate(c: dict) -> str:
+    """One tuning candidate's settings and validation loss, as the report lists them."""
+    text = f"lr {c['lr']:g} m {c['momentum']:g}"
+    text += "" if c["density"] is None else f" d {c['density']:.4g}"
+    text += "" if c.get("decay") is None else f" ef decay {c['decay']:g}"
+    text += f": {c['validation_loss']:.4f}"
+    return text + ("" if c.get("eligible", True) else " (over the byte budget)")
+
+
 def write_report(out: Path, report: dict) -> str:
     runs = report["runs"]
     lines = [
@@ -29,23 +38,21 @@ def write_report(out: Path, report: dict) -> str:
         f"feedback decay {report['error_feedback_decay']}, seeds {report['seeds']}; eval loss of replica "
         f"0's global copy; settings {'tuned on the validation split' if report['tuned'] else 'as given'}",
         "",
-        "| run | codec | outer lr | momentum | α | density | eval loss | × diloco_fp32 | bytes: diloco / run "
-        "| bits / value / round |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | codec | outer lr | momentum | α | density | ef decay | eval loss | × diloco_fp32 "
+        "| bytes: diloco / run | bits / value / round |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
         density = "" if r.get("density") is None else f"{r['density']:.4g}"
+        decay = "" if r.get("decay") is None else f"{r['decay']:g}"
         lines.append(
             f"| {name} | {r['codec']} | {r['lr']:g} | {r['momentum']:g} | {r['alpha']:g} | {density} "
+            f"| {decay} "
             f"| {r['eval_loss']:.4f} | {r['eval_loss_ratio']:.3f} | {r['bytes_ratio']:.1f} "
             f"| {r['wire_bits_per_value_per_round']:.3f} |"
         )
     for name, t in report.get("tuning", {}).items():
-        tried = ", ".join(
-            f"lr {c['lr']:g} m {c['momentum']:g}" + ("" if c["density"] is None else f" d {c['density']:.4g}")
-            + f": {c['validation_loss']:.4f}" + ("" if c.get("eligible", True) else " (over the byte budget)")
-            for c in t["candidates"]
-        )  # fmt: skip
+        tried = ", ".join(_candidate(c) for c in t["candidates"])
         lines.append(f"\n{name} tuned (validation loss): {tried}; picked {t['picked']}")
     text = "\n".join(lines) + "\n"
     (out / "sparse_outer.md").write_text(text)

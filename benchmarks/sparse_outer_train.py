@@ -89,6 +89,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         for loop in loops
     ]
     codec = make_run_codec(run)
+    decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
 
@@ -105,7 +106,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
             parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
             for mid, decoded in parts.items():
                 for s in syncs:
-                    payload, part = _send(s[mid], fragment, codec, args.error_feedback_decay)
+                    payload, part = _send(s[mid], fragment, codec, decay)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))

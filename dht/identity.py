@@ -2,9 +2,12 @@
 
 `load_identity` reads (or creates, mode 0400) the key file hivemind's p2p daemon reads; a peer with
 no `--identity_path` gets a fresh key in a private temporary file, so that even then the daemon's
-peer id and the record-signing key are the same key. `peer_id_of_owner` derives the libp2p peer id
-from the public key in a record's owner subkey: the validators tie every record's `peer_id` to the
-key that signed it, so nobody can publish a claim that speaks for another peer.
+peer id and the record-signing key are the same key. That file is deleted as soon as a daemon has
+read it (`forget_ephemeral_identity`, called by `dht.node.start_dht`), not only at exit: a peer that
+is killed runs no exit handler and would leave its private key in the temporary folder.
+`peer_id_of_owner` derives the libp2p peer id from the public key in a record's owner subkey: the
+validators tie every record's `peer_id` to the key that signed it, so nobody can publish a claim
+that speaks for another peer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 _SHA256_MULTIHASH = bytes([0x12, 0x20])  # multihash code sha2-256, 32-byte digest
 
+#: key files `load_identity` made for a peer without --identity_path, until a daemon has read them
+_EPHEMERAL: set[Path] = set()
+
 
 def load_identity(identity_path: str | os.PathLike | None) -> tuple[RSAPrivateKey, Path]:
     """The peer's RSA key and the file the p2p daemon reads it from."""
@@ -42,6 +48,7 @@ def load_identity(identity_path: str | os.PathLike | None) -> tuple[RSAPrivateKe
         P2P.generate_identity(name)
         atexit.register(lambda: Path(name).unlink(missing_ok=True))
         path = Path(name)
+        _EPHEMERAL.add(path)
     else:
         path = Path(identity_path)
         if not path.exists():
@@ -58,6 +65,15 @@ def load_identity(identity_path: str | os.PathLike | None) -> tuple[RSAPrivateKe
     except Exception as e:
         raise SwarmError(f"cannot read identity file {path}: {e}") from e
     return key, path
+
+
+def forget_ephemeral_identity(path: str | os.PathLike) -> None:
+    """Deletes a key file `load_identity` made up (a user's --identity_path is never touched): the
+    daemon that read it keeps the key, and the caller keeps it in memory."""
+    path = Path(path)
+    if path in _EPHEMERAL:
+        _EPHEMERAL.discard(path)
+        path.unlink(missing_ok=True)
 
 
 def peer_id_of_owner(ssh_public_key: bytes) -> str:

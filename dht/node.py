@@ -18,7 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.errors import SwarmError
-from dht.identity import load_identity
+from dht.identity import forget_ephemeral_identity, load_identity
 from dht.keys import MAX_RECORD_TTL_SECONDS
 from dht.shard_store import Admitted
 from dht.startup_errors import explain_start_failure
@@ -169,6 +169,8 @@ def start_dht(
         )
     except Exception as e:
         raise SwarmError(explain_start_failure(e, initial_peers, str(identity_file))) from None
+    finally:
+        forget_ephemeral_identity(identity_file)  # the daemon has read it (or never will)
     return dht, key
 
 

@@ -23,18 +23,38 @@ def _gauss(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.01
 
 
-def _indices(data: bytes, numel: int) -> tuple[int, list[int]]:
-    """Where sparse2bit's index section starts and its 12-bit indices, read independently of the codec."""
+def _index_bits(data: bytes, numel: int) -> tuple[int, str]:
+    """Where sparse2bit's index section starts and its bits (a '0'/'1' string, padding included)."""
     at = 2 + math.ceil(math.ceil(numel / CHUNK) / 2)
-    kept = CODEC_SPECS["sparse2bit"].kept(numel)
-    bits = "".join(f"{b:08b}" for b in data[at : at + math.ceil(kept * 12 / 8)])
-    return at, [int(bits[12 * i : 12 * i + 12], 2) for i in range(kept)]
+    n_bytes = math.ceil(CODEC_SPECS["sparse2bit"].index_bits(numel) / 8)
+    return at, "".join(f"{b:08b}" for b in data[at : at + n_bytes])
 
 
-def _with_indices(data: bytes, numel: int, indices: list[int]) -> bytes:
-    at, old = _indices(data, numel)
-    bits = "".join(f"{i:012b}" for i in indices)
-    bits += "0" * (-len(bits) % 8)
+def _chunks(numel: int) -> list[tuple[int, int]]:
+    full, rest = divmod(numel, CHUNK)
+    return [(CHUNK, TOPK)] * full + ([(rest, math.ceil(rest / 64))] if rest else [])
+
+
+def _indices(data: bytes, numel: int) -> list[list[int]]:
+    """Each chunk's indices, Elias-Fano decoded independently of the codec: per chunk k indices of
+    `low` bits each (low = floor(log2(size / k))), then a unary vector whose j-th one stands at
+    (index >> low) + j."""
+    _, bits = _index_bits(data, numel)
+    out, at = [], 0
+    for size, k in _chunks(numel):
+        low = int(math.floor(math.log2(size / k)))
+        lows = [int(bits[at + low * j : at + low * (j + 1)] or "0", 2) for j in range(k)]
+        at += low * k
+        upper = bits[at : at + k + ((size - 1) >> low)]
+        at += len(upper)
+        ones = [i for i, c in enumerate(upper) if c == "1"]
+        out.append([((p - j) << low) | lows[j] for j, p in enumerate(ones)])
+    return out
+
+
+def _with_index_bits(data: bytes, numel: int, bits: str) -> bytes:
+    at, old = _index_bits(data, numel)
+    assert len(bits) == len(old)
     packed = bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
     return data[:at] + packed + data[at + len(packed) :]
 
@@ -52,17 +72,19 @@ def test_sparse2bit_payload_has_the_tables_exact_size_and_keeps_1_in_64_per_chun
         k = TOPK if part.numel() == CHUNK else math.ceil(part.numel() / 64)
         top = set(part.abs().topk(k).indices.tolist())
         assert set(back.nonzero().flatten().tolist()) <= top
+        assert _indices(data, numel)[c] == sorted(top)  # Elias-Fano, read without the codec
         assert torch.equal(back[list(top)].sign(), part[list(top)].sign())
     with pytest.raises(CodecError, match="bytes"):
         codec.decode(data + b"\0", numel)
 
 
-def test_sparse2bit_costs_at_most_0_22_bits_per_number_scales_and_indices_included():
+def test_sparse2bit_sends_at_least_146x_fewer_bytes_than_fp32_scales_and_indices_included():
     codec, spec = make_codec("sparse2bit"), CODEC_SPECS["sparse2bit"]
     numel = 64 * CHUNK
     data = codec.encode(_gauss(numel))
     bits = 8 * len(data) / numel
-    assert bits <= 0.22 and 32 / bits >= 145  # Covenant-72B: 0.219 bits, 146x; ours adds 4-bit chunk codes
+    # Covenant-72B: 0.219 bits, 146x with 12-bit indices; Elias-Fano's ~8 bits leave room for scales
+    assert bits <= 0.16 and 32 / bits >= 200
     assert abs(8 * spec.wire_bytes_per_value - bits) < 1e-3
     assert int((codec.decode(data, numel) != 0).sum()) == 64 * TOPK
 
@@ -85,15 +107,27 @@ def test_sparse2bit_never_sends_a_chunk_worse_than_not_sending_it():
 
 def test_sparse2bit_refuses_unordered_or_out_of_chunk_indices_and_bad_scales():
     codec = make_codec("sparse2bit")
-    numel = CHUNK + 1  # a second chunk of one value: its one index must be 0
-    data = codec.encode(_gauss(numel))
+    numel = CHUNK + 65  # a second chunk of 65 values keeping 2: 5 low bits each, a 4-bit unary vector
+    x = _gauss(numel)
+    x[10], x[20] = 5.0, 6.0  # two kept indices in the first chunk's first high bucket (0..63)
+    data = codec.encode(x)
     codec.decode(data, numel)
-    _, idx = _indices(data, numel)
-    swapped = [idx[1], idx[0], *idx[2:]]
+    _, bits = _index_bits(data, numel)
+    assert _indices(data, numel)[0][:2] == [10, 20]
+    # their low bits swapped: 20 then 10, the same set out of order
+    swapped = bits[6:12] + bits[:6] + bits[12:]
     with pytest.raises(CodecError, match="strictly increasing"):
-        codec.decode(_with_indices(data, numel, swapped), numel)
+        codec.decode(_with_index_bits(data, numel, swapped), numel)
+    first = 511  # the second chunk's code: lows (5 bits) x 2, then its unary vector (4 bits)
+    beyond = bits[:first] + bits[first : first + 5] + "11111" + "1001" + bits[first + 14 :]  # 2nd: 95
     with pytest.raises(CodecError, match="beyond its chunk"):
-        codec.decode(_with_indices(data, numel, [*idx[:-1], 1]), numel)
+        codec.decode(_with_index_bits(data, numel, beyond), numel)
+    three_ones = bits[:first] + bits[first : first + 10] + "1110" + bits[first + 14 :]
+    with pytest.raises(CodecError, match="exactly 2 indices"):
+        codec.decode(_with_index_bits(data, numel, three_ones), numel)
+    padded = bits[: first + 14] + "1" * (len(bits) - first - 14)
+    with pytest.raises(CodecError, match="padding"):
+        codec.decode(_with_index_bits(data, numel, padded), numel)
     negative = bytearray(data)
     negative[1] |= 0x80  # the sign bit of the payload's bf16 scale (little-endian)
     with pytest.raises(CodecError, match="negative or not finite"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import pytest
@@ -27,6 +28,20 @@ RUN_ID = "ab" * 32
 
 def claim(peer_id: str, path: int = 0, **kw) -> ClaimRecord:
     return ClaimRecord(peer_id=peer_id, path=path, modules=["trunk", "l0m0", "l1m0"], **kw)
+
+
+def test_a_peer_without_identity_path_leaves_no_private_key_file_once_its_node_runs(
+    dht_factory, tmp_path, monkeypatch
+):
+    """The made-up key is deleted once p2pd read it, not at exit, which a killed peer never reaches;
+    the node keeps its identity, and a user's own key file is never touched."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkstemp puts the made-up key
+    node, key = dht_factory()
+    assert str(node.peer_id) == peer_id_of_key(key)
+    assert not list(tmp_path.glob("pathswarm-identity-*"))
+    own = tmp_path / "own.key"
+    dht_factory(identity_path=own)
+    assert own.is_file()
 
 
 def test_claims_round_trip_and_forgery_refused(dht_factory):

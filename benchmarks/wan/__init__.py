@@ -1,6 +1,6 @@
 """Streaming DiLoCo on an emulated WAN: `python -m benchmarks.wan --out DIR`.
 
-Five configurations train the same model on the same data with the same inner optimizer, batch and
+Six configurations train the same model on the same data with the same inner optimizer, batch and
 number of steps, one after the other, each with `--peers` peers in their own network namespaces
 whose egress is capped at `--cap_mbit` (`netlab`). The grid is 1×1, so every peer holds
 every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
@@ -13,13 +13,17 @@ every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
 * `streaming_4bit` — P fragments synced H/P steps apart, overlapped τ steps, α = 0.5, a 4-bit codec.
   Unless `--overlap_steps` is given, τ is derived from the two runs before it: the step time of
   `no_sync` and the blocking sync time of `diloco_fp32` (see `derive_tau`).
-* `streaming_sparse` — as `streaming_4bit` with the same P, τ and α, but the `sparse` codec: the top
-  2% of each outer gradient at 4 bits with 1-byte indices, the rest kept as error feedback.
+* `streaming_sparse` — as `streaming_4bit` with the same P and τ, but `--sparse_codec` (default
+  `sparse2bit`: the top 1/64 of each chunk of 4096 at 2 bits, Elias-Fano indices, the rest kept as
+  error feedback) and SparseLoCo's outer step (no momentum, α = 0, outer lr 4, as
+  `benchmarks.sparse_outer` tuned it on its validation split).
 * `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
   in fp32 every peers × batch × H samples, configured as hivemind's guide says for a small local
   run (matchmaking 5 s), plus one average after the last step when its epochs (which end a few
   steps past each H) came to fewer than DiLoCo's syncs (`hivemind_peer`). Averaging parameters is
   an outer SGD step with lr 1 and no momentum; hivemind has no place for DiLoCo's outer optimizer.
+* `no_sync_end` — `no_sync` again, last: the ratios' denominator is the mean of both, so a machine
+  that was faster or slower at one end of the lab flatters no configuration; both are reported.
 
 The CPU model. Four peers share this box's two cores, so each peer's training thread (its main
 thread) runs under a CPU quota, `--compute_cores` (a cgroup): its "accelerator". Everything else
@@ -33,11 +37,12 @@ digest run on the outer-step thread). CPU seconds of both sides are recorded. De
 20 Mbit/s and the whole run take about 12 minutes.
 
 Measured per configuration (means over peers):
-* `tokens_per_second_ratio`: per-peer tokens/s over `no_sync`'s, from the moment all of a
-  configuration's peers were training (start-up skew would otherwise flatter the early starters) to
-  every peer's last round before its final one: steady state. The final round ends after training
-  stopped and the syncs in flight were drained, which a streaming peer pays once per run, not per
-  round; `tokens_per_second_ratio_to_the_end` includes it;
+* `tokens_per_second_ratio_to_the_end` (the headline): per-peer tokens/s over `no_sync`'s (the mean
+  of its two runs), from the moment all of a configuration's peers were training (start-up skew
+  would otherwise flatter the early starters) to the final round's end, which comes after training
+  stopped and the syncs in flight were drained (a streaming peer pays that once per run);
+  `tokens_per_second_ratio` beside it stops at every peer's last round before its final one:
+  steady state;
 * `bytes_sent_per_peer_per_round`: egress on the peer's veth (everything: payload, DHT, TCP/IP
   headers) over that window, divided by the rounds (H inner steps) in it;
 * `peak_bytes_per_sync`: the largest burst of bytes on a peer's veth in that window (`report.bursts`:
@@ -56,7 +61,8 @@ Measured per configuration (means over peers):
 Writes DIR/wan.json, DIR/wan.md, DIR/wan.png and DIR/<config>/ (manifest, logs, checkpoints). Skips
 (exit 0) where network namespaces cannot be made.
 
-Modules: `netlab` (namespaces, caps, loss, veth counters), `cpu` (the peers' CPU quota and
-accounting), `driver` (configurations and their peers), `report` (measurements, targets, table,
-plot), `hivemind_peer` (the hivemind.Optimizer baseline peer).
+Modules: `options` (configurations and flags), `netlab` (namespaces, caps, loss, veth counters),
+`cpu` (the peers' CPU quota and accounting), `driver` (configurations and their peers), `report`
+(measurements, the no_sync baseline, targets, table, plot), `hivemind_peer` (the hivemind.Optimizer
+baseline peer).
 """

@@ -20,9 +20,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from benchmarks.wan import report
 from benchmarks.wan.cpu import PeerCpu
 from benchmarks.wan.netlab import Host, NetLab, Sampler, can_limit_threads, can_make_namespaces
+from benchmarks.wan.options import CONFIGS, NO_SYNC, STREAMING, parse_args
 from benchmarks.wan.report import Outcome
 from peer.checkpoint import load_latest_checkpoint
-from peer.codecs.specs import CODEC_NAMES, codec_spec
+from peer.codecs.specs import codec_spec
 from peer.config import InnerOptimizerConfig, OuterOptimizerConfig, RunManifest, SyncConfig
 from peer.data.sources import DatasetSpec, eval_documents, load_documents, split_of
 from peer.model.grid import ModelConfig
@@ -32,66 +33,7 @@ from peer.offline.simulate import InnerLoop, document_batches
 from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
 
-CONFIGS = ("no_sync", "diloco_fp32", "streaming_4bit", "streaming_sparse", "hivemind_optimizer")
-#: the runs that keep a global copy (scored by it) and sync by fragments
-STREAMING = ("streaming_4bit", "streaming_sparse")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description="Streaming DiLoCo, emulated WAN")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--cap_mbit", type=float, default=20.0, help="egress cap of every peer")
-    p.add_argument("--loss", type=float, default=0.0, help="random packet loss of every peer's egress")
-    p.add_argument("--steps", type=int, default=192, help="inner steps of every peer")
-    p.add_argument("--inner_steps", type=int, default=48, help="H")
-    p.add_argument("--fragments", type=int, default=4, help="P of streaming_4bit")
-    p.add_argument("--overlap_steps", type=int, default=None, help="τ of streaming_4bit (default: derived)")
-    p.add_argument("--mixing_alpha", type=float, default=0.5, help="α of streaming_4bit")
-    p.add_argument("--codec", default="nf4", choices=CODEC_NAMES)
-    # streaming_sparse: SparseLoCo's shape of the outer step (error feedback in place of momentum, the
-    # local copy replaced by the global one) with a larger lr, because the group's mean of members'
-    # top-k parts moves a coordinate only by the share of members that chose it; benchmarks/sparse_outer.py
-    p.add_argument("--sparse_outer_lr", type=float, default=8.0, help="outer lr of streaming_sparse")
-    p.add_argument(
-        "--sparse_outer_momentum", type=float, default=0.0, help="outer momentum of streaming_sparse"
-    )
-    p.add_argument("--sparse_mixing_alpha", type=float, default=0.0, help="α of streaming_sparse")
-    p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--d_model", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=4, help="blocks of the one grid module (a multiple of P)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup_steps", type=int, default=30)
-    p.add_argument(
-        "--matchmaking_seconds",
-        type=float,
-        default=5.0,
-        help="hivemind_optimizer only; hivemind's guide: 3-5 s for small local runs",
-    )
-    p.add_argument("--averaging_timeout", type=float, default=30.0)
-    p.add_argument("--builtin_docs", type=int, default=3000)
-    p.add_argument("--max_eval_docs", type=int, default=100)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset to run")
-    p.add_argument("--config_timeout", type=float, default=600.0, help="seconds one configuration may take")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compute_cores", type=float, default=0.25, help="CPU quota of each peer's training thread (0: none)"
-    )
-    p.add_argument(
-        "--comm_priority", type=int, default=5, help="nice levels by which peers' networking outranks compute"
-    )
-    args = p.parse_args(argv)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = set(args.configs) - set(CONFIGS)
-    if unknown:
-        p.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
-    if args.blocks % args.fragments:
-        p.error(f"--blocks {args.blocks} must be a multiple of --fragments {args.fragments} (whole blocks)")
-    if args.steps % args.inner_steps:
-        p.error("--steps must be a multiple of --inner_steps (whole rounds, equal steps everywhere)")
-    return args
 
 
 # --- run set-up -----------------------------------------------------------------------------------
@@ -153,11 +95,11 @@ def base_manifest(args: argparse.Namespace) -> RunManifest:
 
 def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
     common = dict(inner_steps=args.inner_steps, averaging_timeout_seconds=args.averaging_timeout)
-    if name == "no_sync":
+    if name in NO_SYNC:
         return SyncConfig(codec="fp32", fragments=1, overlap_steps=1, mixing_alpha=1.0, **common)
     if name in STREAMING:
         return SyncConfig(
-            codec=args.codec if name == "streaming_4bit" else "sparse",
+            codec=args.codec if name == "streaming_4bit" else args.sparse_codec,
             fragments=args.fragments,
             overlap_steps=tau,
             mixing_alpha=args.mixing_alpha if name == "streaming_4bit" else args.sparse_mixing_alpha,
@@ -168,7 +110,8 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
 
 
 def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> OuterOptimizerConfig:
-    """DiLoCo's outer step (lr 0.7, Nesterov 0.9) for every run but streaming_sparse's."""
+    """DiLoCo's outer step (lr 0.7, Nesterov 0.9) for every run but streaming_sparse's (SparseLoCo's:
+    no momentum, error feedback in its place, lr 4 as benchmarks.sparse_outer tuned it)."""
     if name != "streaming_sparse":
         return base.outer
     m = args.sparse_outer_momentum
@@ -241,7 +184,7 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
     cpu = None
     try:
         initial_peers: list[str] = []
-        if name != "no_sync":
+        if name not in NO_SYNC:
             bootstrap, initial_peers = start_bootstrap(
                 lab, hub, manifest_file, workdir / "logs/bootstrap.log"
             )
@@ -260,8 +203,8 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
                         "--matchmaking_time", str(args.matchmaking_seconds),
                         "--averaging_timeout", str(args.averaging_timeout)]  # fmt: skip
             else:
-                swarm = ["--new_swarm"] if name == "no_sync" else ["--initial_peers", *initial_peers]
-                wait = 1 if name == "no_sync" else len(hosts)
+                swarm = ["--new_swarm"] if name in NO_SYNC else ["--initial_peers", *initial_peers]
+                wait = 1 if name in NO_SYNC else len(hosts)
                 argv = [sys.executable, "-m", "peer", "peer",
                         "--run", f"{manifest.name}@{record.run_id[:16]}",
                         "--manifest_path", str(manifest_file), *swarm, "--host_maddrs", host.maddr(),
@@ -366,21 +309,14 @@ def run_configs(args: argparse.Namespace, base: RunManifest, model_bytes: int, s
     return outcomes, runs, failures, tau, tau_why
 
 
-def control_share(r: dict, sync: SyncConfig, n_params: int, peers: int) -> tuple[float, float]:
-    """Outer-gradient bytes a peer must send per round in an all-gather of `peers` (each Δ to every
-    other member), and the share of everything else on its wire (DHT, claims, reports, TCP/IP) over it."""
-    payload = (peers - 1) * n_params * codec_spec(sync.codec).wire_bytes_per_value
-    return payload, (r["wire_bytes_per_round"] - payload) / payload
-
-
 def evaluate_runs(
     outcomes: dict[str, Outcome], runs: dict[str, dict], docs: list[str], n_params: int, peers: int
 ) -> None:
     """Eval loss of every run (peer 0's global copy, or its local model where there is none), and the
-    ratios against no_sync."""
-    nan = float("nan")
-    base_tps = runs["no_sync"]["tokens_per_second"] if "no_sync" in runs else nan
-    base_to_end = runs["no_sync"]["tokens_per_second_to_the_end"] if "no_sync" in runs else nan
+    tokens/s ratios against no_sync's (the mean of its runs at the start and the end); returns that
+    baseline, each end's and their spread."""
+    baseline = report.no_sync_baseline(runs)
+    base_tps, base_to_end = baseline["tokens_per_second"], baseline["tokens_per_second_to_the_end"]
     for name, o in outcomes.items():
         r = runs[name]
         which = "global" if name in ("diloco_fp32", *STREAMING) else "local"
@@ -394,12 +330,13 @@ def evaluate_runs(
         r["sync"] = o.manifest.sync.model_dump()
         r["outer"] = o.manifest.outer.model_dump()
         if name in ("diloco_fp32", *STREAMING):
-            r["gradient_bytes_per_round"], r["control_share"] = control_share(
+            r["gradient_bytes_per_round"], r["control_share"] = report.control_share(
                 r, o.manifest.sync, n_params, peers
             )
         # τ each peer ended with (peers raise it when their syncs outlast it: OverlapTuner)
         r["overlap_steps_final"] = [h[-1].get("overlap_steps") if h else None for h in o.histories]
         r["commands"] = [" ".join(c) for c in o.commands]
+    return baseline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     outcomes, runs, failures, tau, tau_why = run_configs(args, base, model_bytes, started)
     torch.set_num_threads(os.cpu_count() or 1)  # the peers are gone: evaluation may use every core
     docs = eval_documents(base.dataset, limit=args.max_eval_docs)
-    evaluate_runs(outcomes, runs, docs, n_params, args.peers)
+    baseline = evaluate_runs(outcomes, runs, docs, n_params, args.peers)
     summary = dict(
         peers=args.peers, cap_mbit=args.cap_mbit, loss=args.loss, steps=args.steps, H=args.inner_steps,
         fragments=args.fragments, overlap_steps=tau, overlap_derivation=tau_why,
         mixing_alpha=args.mixing_alpha, codec=args.codec, compute_cores=args.compute_cores,
-        sparse=dict(outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
-                    mixing_alpha=args.sparse_mixing_alpha),
+        sparse=dict(codec=args.sparse_codec, outer_lr=args.sparse_outer_lr,
+                    outer_momentum=args.sparse_outer_momentum, mixing_alpha=args.sparse_mixing_alpha),
+        no_sync_baseline=baseline,
         comm_priority=args.comm_priority, batch_size=args.batch_size, seq_len=args.seq_len,
         model=base.model.model_dump(), model_parameters=n_params, model_bytes_fp32=model_bytes,
         eval_docs=len(docs),

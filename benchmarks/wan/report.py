@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from peer.config import RunManifest
+from peer.codecs.specs import codec_spec
+from peer.config import RunManifest, SyncConfig
 from peer.model.tokenizer import load_tokenizer
 from peer.model.transformer import PathModel
 from peer.offline.evaluation import evaluate
@@ -212,6 +213,26 @@ def codec_errors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, float]
     return out
 
 
+def control_share(r: dict, sync: SyncConfig, n_params: int, peers: int) -> tuple[float, float]:
+    """Outer-gradient bytes a peer must send per round in an all-gather of `peers` (each Δ to every
+    other member), and the share of everything else on its wire (DHT, claims, reports, TCP/IP) over it."""
+    payload = (peers - 1) * n_params * codec_spec(sync.codec).wire_bytes_per_value
+    return payload, (r["wire_bytes_per_round"] - payload) / payload
+
+
+def no_sync_baseline(runs: dict[str, dict]) -> dict:
+    """no_sync's tokens/s (steady and whole window): the mean of its runs at the start and the end of
+    the lab, each of them, and their spread (max / min − 1)."""
+    ends = {n: runs[n] for n in ("no_sync", "no_sync_end") if n in runs}
+    out: dict = dict(runs=list(ends))
+    for key in ("tokens_per_second", "tokens_per_second_to_the_end"):
+        values = [r[key] for r in ends.values()]
+        out[key] = sum(values) / len(values) if values else float("nan")
+        out[f"{key}_each"] = values
+        out[f"{key}_spread"] = max(values) / min(values) - 1 if values and min(values) > 0 else float("nan")
+    return out
+
+
 def targets_report(runs: dict[str, dict], fragments: int) -> dict:
     s, d = runs.get("streaming_4bit"), runs.get("diloco_fp32")
     out: dict = {}
@@ -219,9 +240,10 @@ def targets_report(runs: dict[str, dict], fragments: int) -> dict:
         out["diloco_fp32 tokens_per_second_ratio <= 0.8 (communication-bound)"] = _check(
             d["tokens_per_second_ratio"], 0.8, "max"
         )
+    # the whole window is the headline (a streaming peer's drain of its last fragment rounds included)
     if s:
-        out["streaming_4bit tokens_per_second_ratio >= 0.95"] = _check(
-            s["tokens_per_second_ratio"], 0.95, "min"
+        out["streaming_4bit tokens_per_second_ratio_to_the_end >= 0.95 (whole window)"] = _check(
+            s["tokens_per_second_ratio_to_the_end"], 0.95, "min"
         )
     if s and d:
         out["streaming_4bit bytes_sent_per_peer_per_round <= 1/7 of diloco_fp32"] = _check(
@@ -235,13 +257,18 @@ def targets_report(runs: dict[str, dict], fragments: int) -> dict:
         )
     sp = runs.get("streaming_sparse")
     if sp:
-        out["streaming_sparse tokens_per_second_ratio >= 0.95"] = _check(
-            sp["tokens_per_second_ratio"], 0.95, "min"
+        out["streaming_sparse tokens_per_second_ratio_to_the_end >= 0.95 (whole window)"] = _check(
+            sp["tokens_per_second_ratio_to_the_end"], 0.95, "min"
         )
     if sp and d:
-        out["streaming_sparse bytes_sent_per_peer_per_round <= 1/50 of diloco_fp32"] = _check(
-            sp["bytes_sent_per_peer_per_round"] / d["bytes_sent_per_peer_per_round"], 1 / 50, "max"
+        # Covenant-72B's 146x: on the wire (DHT, reports, TCP/IP included) and the outer gradients alone
+        out["streaming_sparse bytes_sent_per_peer_per_round (wire) <= 1/146 of diloco_fp32"] = _check(
+            sp["bytes_sent_per_peer_per_round"] / d["bytes_sent_per_peer_per_round"], 1 / 146, "max"
         )
+        if sp.get("payload_bytes_per_round") and d.get("payload_bytes_per_round"):
+            out["streaming_sparse payload_bytes_per_round <= 1/146 of diloco_fp32"] = _check(
+                sp["payload_bytes_per_round"] / d["payload_bytes_per_round"], 1 / 146, "max"
+            )
         out["streaming_sparse eval_loss <= 1.02 x diloco_fp32"] = _check(
             sp["eval_loss"] / d["eval_loss"], 1.02, "max"
         )
@@ -254,9 +281,11 @@ def _check(value: float, bound: float, kind: str) -> dict:
 
 
 LEGEND = (
-    "Tokens/s: per peer, from the start of the window in which all peers trained to every peer's "
-    "last round before its final one (steady state); '… to the end' runs to the final round's end, "
-    "which a streaming peer reaches after waiting for its last fragment rounds once training stopped. "
+    "Tokens/s ratio: per-peer tokens/s over no_sync's, the mean of its runs at the start and the end "
+    "of the lab (each, and their spread, below the table). Whole window: from the moment all peers "
+    "trained to the final round's end, which a streaming peer reaches after waiting for its last "
+    "fragment rounds once training stopped; steady state: to every peer's last round before its "
+    "final one. The per-peer tokens/s column is the steady state's. "
     "Bytes per round: veth egress (payload, DHT, TCP/IP) while all peers trained, per H inner steps. "
     "Peak wire bytes per sync: the largest burst of bytes on a peer's veth (a run of 0.2 s samples "
     "above 10% of the cap: a sync's payload with its TCP/IP overhead), the same unit for every run; "
@@ -288,8 +317,9 @@ def _row(name: str, r: dict) -> str:
     control = f"{r['control_share']:.1%}" if "control_share" in r else "–"
     sync = "–" if spent is None else f"{spent['mean']:.1f}"
     return (
-        f"| {name} | {r['tokens_per_second']:.0f} | {r['tokens_per_second_ratio']:.3f} "
+        f"| {name} | {r['tokens_per_second']:.0f} "
         f"| {r.get('tokens_per_second_ratio_to_the_end', float('nan')):.3f} "
+        f"| {r['tokens_per_second_ratio']:.3f} "
         f"| {_cell_kb(r['bytes_sent_per_peer_per_round'])} | {_cell_kb(r['peak_bytes_per_sync'])} "
         f"| {_cell_kb(r['peak_payload_bytes_per_sync'])} | {matchmaking} "
         f"| {sync} | {control} | {r['eval_loss']:.4f} |"
@@ -301,7 +331,8 @@ def _sparse(report: dict) -> str:
     if not sp:
         return ""
     return (
-        f" (streaming_sparse: outer lr {sp['outer_lr']:g}, momentum {sp['outer_momentum']:g}, "
+        f" (streaming_sparse: codec {sp.get('codec', 'sparse')}, outer lr {sp['outer_lr']:g}, "
+        f"momentum {sp['outer_momentum']:g}, "
         f"α = {sp['mixing_alpha']:g})"
     )
 
@@ -317,12 +348,20 @@ def write_markdown(path: Path, report: dict) -> str:
         f"{report['model_parameters'] / 1e6:.2f}M parameters "
         f"({report['model_bytes_fp32'] / 1e6:.2f} MB fp32)",
         "",
-        "| run | tokens/s per peer | tokens/s ratio | … to the end | bytes sent / peer / round "
+        "| run | tokens/s per peer | tokens/s ratio, whole window | … steady state "
+        "| bytes sent / peer / round "
         "| peak wire bytes / sync | peak payload / sync | matchmaking s / sync | sync s | control share "
         "| eval loss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_row(name, r) for name, r in runs.items()]
+    base = report.get("no_sync_baseline")
+    if base and base.get("runs"):
+        each = ", ".join(f"{v:.0f}" for v in base["tokens_per_second_to_the_end_each"])
+        lines += ["", f"no_sync tokens/s per peer, whole window: {each} ({', '.join(base['runs'])}), "
+                  f"spread {base['tokens_per_second_to_the_end_spread']:.1%}; steady state: "
+                  + ", ".join(f"{v:.0f}" for v in base["tokens_per_second_each"])
+                  + f", spread {base['tokens_per_second_spread']:.1%}"]  # fmt: skip
     for name, error in report.get("failed", {}).items():
         lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * 9)
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
@@ -351,7 +390,7 @@ def write_plot(path: Path, report: dict, outcomes: dict[str, Outcome]) -> None:
     axes[1].set(xlabel="seconds", ylabel="MB sent by peer 0 (veth)", title="bytes on the wire")
     runs = report["runs"]
     names = list(runs)
-    metrics = [("tokens_per_second_ratio", "tokens/s\nratio"),
+    metrics = [("tokens_per_second_ratio_to_the_end", "tokens/s ratio\n(whole window)"),
                ("bytes_sent_per_peer_per_round", "bytes/round\n(wire)"),
                ("peak_bytes_per_sync", "peak bytes/sync\n(wire)"), ("eval_loss", "eval loss")]  # fmt: skip
     ref = runs.get("diloco_fp32")

@@ -13,7 +13,7 @@ else.
 | nf4 | 4 | NormalFloat4 levels (bitsandbytes' table), block 64, bf16 absmax |
 | e3m0 | 4 | sign + 3-bit exponent (Streaming DiLoCo's format), block 64, bf16 absmax |
 | sparse | 4 | top 5 of every 256 values (2%), 1-byte indices, sign + 3-bit magnitude, bf16 scale |
-| sparse2bit | 2 | top 64 of every 4096 (1/64), 12-bit indices, sign + 1-bit magnitude, 4-bit chunk scale |
+| sparse2bit | 2 | top 64 of each 4096 (1/64), Elias-Fano indices, sign + magnitude bit, 4-bit chunk scale |
 | dense2bit | 2 | every value, 4 levels (Lloyd-Max for a Gaussian) times a bf16 RMS per block of 128 |
 
 4-bit blocks keep their absmax in bfloat16: fp32's range (outer gradients can be tiny) in 2 bytes,
@@ -29,7 +29,8 @@ import math
 import numpy as np
 import torch
 
-from peer.codecs.specs import CODEC_SPECS, CodecSpec, codec_spec
+from peer.codecs.elias_fano import elias_fano_decode, elias_fano_encode
+from peer.codecs.specs import CODEC_SPECS, CodecSpec, codec_spec, elias_fano_bits
 
 
 class CodecError(ValueError):
@@ -249,36 +250,20 @@ def _unpack_crumbs(data: bytes, n: int) -> torch.Tensor:
     return out.reshape(-1)[:n].long()
 
 
-def _pack_12bit(values: torch.Tensor) -> bytes:
-    """12-bit numbers, two to three bytes, high bits first: ceil(12·n/8) bytes (an odd count's last
-    number takes a byte and a half, the half padded with zeros)."""
-    v = values.reshape(-1).to(torch.int32)
-    n = v.numel()
-    v = torch.cat([v, v.new_zeros(n % 2)]).view(-1, 2)
-    a, b = v[:, 0], v[:, 1]
-    out = torch.stack([a >> 4, ((a & 15) << 4) | (b >> 8), b & 255], dim=1)
-    return out.to(torch.uint8).numpy().tobytes()[: math.ceil(12 * n / 8)]
-
-
-def _unpack_12bit(data: bytes, n: int) -> torch.Tensor:
-    data = data + bytes(-len(data) % 3)
-    t = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).long().view(-1, 3)
-    a, b = (t[:, 0] << 4) | (t[:, 1] >> 4), ((t[:, 1] & 15) << 8) | t[:, 2]
-    return torch.stack([a, b], dim=1).reshape(-1)[:n]
-
-
 class ChunkSparse2BitCodec(Codec):
-    """SparseLoCo's recipe (Covenant-72B: 1/64 density, 2-bit values, 12-bit indices), our layout.
+    """SparseLoCo's recipe (Covenant-72B: 1/64 density, 2-bit values), our layout and index code.
 
     Per chunk of 4096 values the 64 largest by magnitude (a partial last chunk of m values: the
     ceil(m/64) largest). Scales: one bf16 reference r per payload (the largest kept magnitude) and per
     chunk a 4-bit code q, its scale s = r·2^-q (q = 15: the chunk is sent as zeros and all of it stays
     in the error feedback); the encoder picks the q of least squared error. A bf16 scale per chunk
-    would cost 16 bits, 0.223 bits per number in all; the code costs 4. Each value: a sign bit and a
+    would cost 16 bits; the code costs 4. Each value: a sign bit and a
     magnitude bit, s·0.4 or s (a ratio of 2.5 between the levels: measured on the top 1/64 of chunks,
     1.5 suits Gaussian data best and 4 heavy-tailed Student-t, 2.5 is within 0.1 of the best of both).
-    Layout: r, the chunk codes (nibbles), the indices (12 bits each, strictly increasing in a chunk,
-    so every set has one encoding), the value codes (2 bits each), each part packed whole."""
+    Indices: each chunk's, strictly increasing, Elias-Fano coded (511 bits for 64 of 4096, where
+    Covenant's 12-bit indices take 768), so every set has one encoding and a payload one size.
+    Layout: r, the chunk codes (nibbles), the index codes (one bit string, zero-padded to a byte),
+    the value codes (2 bits each), each part packed whole."""
 
     LEVELS = (0.4, 1.0)
     ZERO_CHUNK = 15
@@ -286,21 +271,16 @@ class ChunkSparse2BitCodec(Codec):
     def __init__(self, spec: CodecSpec | None = None):
         # a benchmark may vary the density (`topk`); peers of a run use the table's spec
         self.spec = spec or CODEC_SPECS["sparse2bit"]
-        layout = (self.spec.index_bits, self.spec.chunk_code_bits, self.spec.bits)
-        if layout != (12, 4, 2) or self.spec.block > 4096:
-            raise ValueError(f"{self.spec.name}: this layout packs 12-bit indices, 4-bit codes, 2-bit values")
-
-    def _chunk_topk(self, numel: int) -> list[int]:
-        spec = self.spec
-        full, rest = divmod(numel, spec.block)
-        return [spec.topk] * full + ([math.ceil(rest * spec.topk / spec.block)] if rest else [])
+        if (self.spec.chunk_code_bits, self.spec.bits) != (4, 2):
+            raise ValueError(f"{self.spec.name}: this layout packs 4-bit chunk codes and 2-bit values")
 
     def encode(self, x: torch.Tensor) -> bytes:
         spec = self.spec
         blocks, n = _blocks(x, spec.block)
         if n == 0:
             return b""
-        ks = torch.tensor(self._chunk_topk(n))
+        chunks = self.spec.chunk_kept(n)
+        ks = torch.tensor([k for _, k in chunks])
         magnitude = blocks.abs()
         magnitude.view(-1)[n:] = -1.0  # padding is never picked: a partial chunk keeps <= its size
         top = magnitude.topk(min(spec.topk, spec.block), dim=1).indices  # largest first
@@ -312,7 +292,39 @@ class ChunkSparse2BitCodec(Codec):
         scales = torch.where(q == self.ZERO_CHUNK, torch.zeros(()), r * torch.pow(2.0, -q.float()))
         lo, hi = self.LEVELS
         codes = (vals < 0).long() * 2 + (vals.abs() > scales[:, None] * (lo + hi) / 2).long()
-        return _bf16_bytes(r) + _pack_nibbles(q.long()) + _pack_12bit(idx[kept]) + _pack_crumbs(codes[kept])
+        return (
+            _bf16_bytes(r)
+            + _pack_nibbles(q.long())
+            + self._pack_indices(idx, chunks)
+            + _pack_crumbs(codes[kept])
+        )
+
+    def _pack_indices(self, idx: torch.Tensor, chunks: list[tuple[int, int]]) -> bytes:
+        """Every chunk's Elias-Fano code in a row (whole chunks at once, then a partial one)."""
+        full = sum(1 for m, _ in chunks if m == self.spec.block)
+        bits = [elias_fano_encode(idx[:full, : self.spec.topk], self.spec.block).reshape(-1)]
+        if full < len(chunks):
+            m, k = chunks[-1]
+            bits.append(elias_fano_encode(idx[full:, :k], m).reshape(-1))
+        return np.packbits(torch.cat(bits).numpy()).tobytes()
+
+    def _unpack_indices(self, data: bytes, chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """`_pack_indices` back to the kept values' indices, chunk after chunk; padding must be zero."""
+        bits = torch.from_numpy(np.unpackbits(np.frombuffer(data, dtype=np.uint8)).astype(bool))
+        full = sum(1 for m, _ in chunks if m == self.spec.block)
+        per = elias_fano_bits(self.spec.block, self.spec.topk)
+        try:
+            parts = [elias_fano_decode(bits[: full * per].view(full, per), self.spec.block, self.spec.topk)]
+            at = full * per
+            if full < len(chunks):
+                m, k = chunks[-1]
+                parts.append(elias_fano_decode(bits[at : at + elias_fano_bits(m, k)].view(1, -1), m, k))
+                at += elias_fano_bits(m, k)
+        except ValueError as e:
+            raise CodecError(f"sparse2bit: {e}") from None
+        if bool(bits[at:].any()):
+            raise CodecError("sparse2bit: the index code's padding bits are not zero")
+        return torch.cat([p.reshape(-1) for p in parts])
 
     def _best_codes(self, magnitude: torch.Tensor, kept: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """Per chunk the scale code of least squared error over its kept values, among r·2^-q for
@@ -334,7 +346,8 @@ class ChunkSparse2BitCodec(Codec):
         spec = self.spec
         if numel == 0:
             return torch.zeros(0)
-        ks = self._chunk_topk(numel)
+        chunks = spec.chunk_kept(numel)
+        ks = [k for _, k in chunks]
         n_chunks, kept = len(ks), sum(ks)
         r = _bf16_from(data[:2])
         if not torch.isfinite(r).all() or bool((r < 0).any()):
@@ -343,8 +356,8 @@ class ChunkSparse2BitCodec(Codec):
         size = math.ceil(n_chunks * spec.chunk_code_bits / 8)
         q = _unpack_nibbles(data[at : at + size], n_chunks)
         at += size
-        size = math.ceil(kept * spec.index_bits / 8)
-        idx = _unpack_12bit(data[at : at + size], kept)
+        size = math.ceil(spec.index_bits(numel) / 8)
+        idx = self._unpack_indices(data[at : at + size], chunks)
         codes = _unpack_crumbs(data[at + size :], kept)
         lengths = torch.tensor(ks)
         chunk_of = torch.repeat_interleave(torch.arange(n_chunks), lengths)
