@@ -1,7 +1,7 @@
 """The DiPaCo crossover by two routes, one picture: `python -m benchmarks.dipaco_levers_plot --out PNG
 BUDGETS_JSON LEVERS_JSON`.
 
-BUDGETS_JSON is a `benchmarks.dipaco_combine` record (d=64, budgets x1, x2.5, x4 on data no arm
+BUDGETS_JSON is a `benchmarks.dipaco_combine` record (d=64, budgets x1 to x8 on data no arm
 repeats); LEVERS_JSON holds the arms of `benchmarks/dipaco_levers_device.sh` at one budget
 (`{"arms": {name: {tokens_per_param_same_tokens, ratio_same_tokens, ...}}}`). Both place composite /
 dense-same-tokens against tokens per parameter: a larger budget at one width (the budget curve) and fewer
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         yerr=[lo, hi],
         marker="o",
         capsize=3,
-        label="d=64, budget x1 / x2.5 / x4 (more steps and tokens)",
+        label=f"d=64, budget {' / '.join('x' + b for b in budgets)} (more steps and tokens)",
     )
     for x, y, label in zip(xs, ys, budgets, strict=True):
         ax.annotate(f"x{label}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
