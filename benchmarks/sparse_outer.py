@@ -9,10 +9,12 @@ that only the outer gradient's code and the outer step differ between runs:
 * `streaming_nf4` — Streaming DiLoCo with the nf4 codec, α = 0.5, DiLoCo's outer step;
 * `sparse` — today's sparse codec (2%, 4-bit values, 1-byte indices), SparseLoCo's outer step: no
   momentum (error feedback accumulates in its place), α = 0, a larger lr;
-* `sparse2bit` — SparseLoCo's recipe as Covenant-72B ran it (1/64 of each chunk of 4096, 2-bit
-  values, 12-bit indices), same outer step; `sparse2bit_nesterov` the same codec under DiLoCo's
-  momentum, to see what momentum does with error feedback;
-* `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0.
+* `sparse2bit` — SparseLoCo's recipe at Covenant-72B's byte budget (the top 92 of each chunk of
+  4096, 2-bit values, Elias-Fano indices: 151x fewer bytes than fp32), same outer step;
+  `sparse2bit_nesterov` the same codec under DiLoCo's momentum, to see what momentum does with
+  error feedback;
+* `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0 (its error
+  feedback decay tuned too: `--tune_decays`).
 
 Per run and seed (`--seeds`: each changes the initial weights and every replica's batch order) the
 eval loss of replica 0's global copy on the run's eval documents, a curve of it every `--eval_every`

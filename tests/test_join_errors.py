@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,11 @@ def test_run_name_not_found_and_pin_mismatch(tmp_path, manifest_file):
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(path)])
         base = ["peer", "--initial_peers", *swarm.initial_peers, "--host_maddrs", LOOPBACK]
-        missing = the_error(*run_peer(*base, "--run", "nosuchrun")[:2])
         wrong_pin = "0" * 16 if not run_id.startswith("0" * 16) else "1" * 16
-        mismatch = the_error(*run_peer(*base, "--run", f"{RUN}@{wrong_pin}")[:2])
+        # both wait out the manifest lookup's timeout: side by side, not one after the other
+        with ThreadPoolExecutor(2) as pool:
+            results = pool.map(lambda run: run_peer(*base, "--run", run), ["nosuchrun", f"{RUN}@{wrong_pin}"])
+            missing, mismatch = (the_error(*r[:2]) for r in list(results))
     assert "no verified manifest for run 'nosuchrun'" in missing and "--run name" in missing, missing
     assert wrong_pin in mismatch and run_id[:16] in mismatch, mismatch
     assert "different hash is a different run" in mismatch, mismatch

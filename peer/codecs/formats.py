@@ -13,7 +13,7 @@ else.
 | nf4 | 4 | NormalFloat4 levels (bitsandbytes' table), block 64, bf16 absmax |
 | e3m0 | 4 | sign + 3-bit exponent (Streaming DiLoCo's format), block 64, bf16 absmax |
 | sparse | 4 | top 5 of every 256 values (2%), 1-byte indices, sign + 3-bit magnitude, bf16 scale |
-| sparse2bit | 2 | top 64 of each 4096 (1/64), Elias-Fano indices, sign + magnitude bit, 4-bit chunk scale |
+| sparse2bit | 2 | top 92 of each 4096 (2.2%), Elias-Fano indices, sign + magnitude bit, 4-bit chunk scale |
 | dense2bit | 2 | every value, 4 levels (Lloyd-Max for a Gaussian) times a bf16 RMS per block of 128 |
 
 4-bit blocks keep their absmax in bfloat16: fp32's range (outer gradients can be tiny) in 2 bytes,
@@ -251,17 +251,18 @@ def _unpack_crumbs(data: bytes, n: int) -> torch.Tensor:
 
 
 class ChunkSparse2BitCodec(Codec):
-    """SparseLoCo's recipe (Covenant-72B: 1/64 density, 2-bit values), our layout and index code.
+    """SparseLoCo's recipe (top-k per chunk, 2-bit values), our layout and index code, at the byte
+    budget of Covenant-72B's run (1/64 of each chunk, 12-bit indices: 0.219 bits per number).
 
-    Per chunk of 4096 values the 64 largest by magnitude (a partial last chunk of m values: the
-    ceil(m/64) largest). Scales: one bf16 reference r per payload (the largest kept magnitude) and per
+    Per chunk of 4096 values the 92 largest by magnitude (a partial last chunk of m values: the
+    ceil(92·m/4096) largest). Scales: one bf16 reference r per payload (the largest kept magnitude) and per
     chunk a 4-bit code q, its scale s = r·2^-q (q = 15: the chunk is sent as zeros and all of it stays
     in the error feedback); the encoder picks the q of least squared error. A bf16 scale per chunk
     would cost 16 bits; the code costs 4. Each value: a sign bit and a
     magnitude bit, s·0.4 or s (a ratio of 2.5 between the levels: measured on the top 1/64 of chunks,
     1.5 suits Gaussian data best and 4 heavy-tailed Student-t, 2.5 is within 0.1 of the best of both).
-    Indices: each chunk's, strictly increasing, Elias-Fano coded (511 bits for 64 of 4096, where
-    Covenant's 12-bit indices take 768), so every set has one encoding and a payload one size.
+    Indices: each chunk's, strictly increasing, Elias-Fano coded (679 bits for 92 of 4096, where
+    12-bit indices would take 1,104), so every set has one encoding and a payload one size.
     Layout: r, the chunk codes (nibbles), the index codes (one bit string, zero-padded to a byte),
     the value codes (2 bits each), each part packed whole."""
 

@@ -9,11 +9,14 @@ a `GridModel` holds every module (evaluation and export). The grid's shape lives
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from peer.model.grid import (
     TRUNK,
@@ -179,13 +182,31 @@ class ParamSlot:
     shape: tuple[int, ...]
 
 
+class _NoNormalInit(TorchFunctionMode):
+    """Skips normal_ initialisation: on the meta device it runs a Python decomposition that imports
+    torch._dynamo, two seconds of every peer's and command's start, to fill tensors without values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.normal_, nn.init.normal_):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def shapes_only() -> Iterator[None]:
+    """Modules built inside have parameters on the meta device: shapes, no memory, no values."""
+    with torch.device("meta"), _NoNormalInit():
+        yield
+
+
 def parameter_map(
     cfg: ModelConfig, n_fragments: int = 1, module_ids: list[str] | None = None
 ) -> list[ParamSlot]:
     """Every parameter of the given modules (default: the whole grid), each exactly once."""
     slots = []
     for mid in module_ids or all_module_ids(cfg):
-        with torch.device("meta"):
+        with shapes_only():
             module = build_module_shape_only(cfg, mid)
         for name, p in module.named_parameters():
             slots.append(ParamSlot(mid, name, fragment_of(cfg, mid, name, n_fragments), tuple(p.shape)))

@@ -18,7 +18,7 @@ from dht.schema import ClaimRecord, ProbeRecord
 from peer.codecs.specs import codec_spec
 from peer.config import RunManifest
 from peer.model.grid import ModelConfig, all_module_ids, all_paths, path_index, path_module_ids
-from peer.model.transformer import PathModel, build_module_shape_only, count_parameters
+from peer.model.transformer import PathModel, build_module_shape_only, count_parameters, shapes_only
 from peer.scheduler import (
     Assignment,
     GridSpec,
@@ -44,9 +44,8 @@ def fragment_bytes(manifest: RunManifest, path_parameters: int) -> float:
 
 
 def path_parameters(manifest: RunManifest) -> int:
-    import torch
 
-    with torch.device("meta"):
+    with shapes_only():
         model = PathModel(manifest.model, (0,) * manifest.model.n_levels)
     return count_parameters(model)
 
@@ -154,9 +153,8 @@ def bits_for(n: int) -> int:
 @lru_cache(maxsize=8)
 def grid_state(cfg: ModelConfig) -> GridState:
     """Each path's modules and each module's state bytes (shapes only: nothing is allocated)."""
-    import torch
 
-    with torch.device("meta"):
+    with shapes_only():
         sizes = {m: count_parameters(build_module_shape_only(cfg, m)) for m in all_module_ids(cfg)}
     return GridState(
         tuple(frozenset(path_module_ids(cfg, p)) for p in all_paths(cfg)),
