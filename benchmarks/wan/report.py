@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.wan.options import NO_SYNC
 from peer.codecs.specs import codec_spec
 from peer.config import RunManifest, SyncConfig
 from peer.model.tokenizer import load_tokenizer
@@ -223,7 +224,7 @@ def control_share(r: dict, sync: SyncConfig, n_params: int, peers: int) -> tuple
 def no_sync_baseline(runs: dict[str, dict]) -> dict:
     """no_sync's tokens/s (steady and whole window): the mean of its runs at the start and the end of
     the lab, each of them, and their spread (max / min − 1)."""
-    ends = {n: runs[n] for n in ("no_sync", "no_sync_end") if n in runs}
+    ends = {n: runs[n] for n in NO_SYNC if n in runs}
     out: dict = dict(runs=list(ends))
     for key in ("tokens_per_second", "tokens_per_second_to_the_end"):
         values = [r[key] for r in ends.values()]

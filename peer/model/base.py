@@ -24,7 +24,7 @@ from torch import nn
 
 from peer.errors import ConfigError
 from peer.model.grid import TRUNK, ModelConfig, path_module_ids
-from peer.model.transformer import PathModel, build_module, build_module_shape_only, shapes_only
+from peer.model.transformer import PathModel, build_module, build_module_shape_only
 
 ModuleStates = dict[str, dict[str, torch.Tensor]]
 FORMAT = "pathswarm-base/1"
@@ -54,8 +54,7 @@ def save_base(states: ModuleStates, file: Path) -> None:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for mid in base_module_ids(cfg):
-        with shapes_only():
-            module = build_module_shape_only(cfg, mid)
+        module = build_module_shape_only(cfg, mid)
         shapes.update({f"{mid}.{k}": tuple(v.shape) for k, v in module.state_dict().items()})
     return shapes
 

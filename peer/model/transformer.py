@@ -206,18 +206,17 @@ def parameter_map(
     """Every parameter of the given modules (default: the whole grid), each exactly once."""
     slots = []
     for mid in module_ids or all_module_ids(cfg):
-        with shapes_only():
-            module = build_module_shape_only(cfg, mid)
+        module = build_module_shape_only(cfg, mid)
         for name, p in module.named_parameters():
             slots.append(ParamSlot(mid, name, fragment_of(cfg, mid, name, n_fragments), tuple(p.shape)))
     return slots
 
 
 def build_module_shape_only(cfg: ModelConfig, module_id: str) -> nn.Module:
-    if module_id == TRUNK:
-        return Trunk(cfg)
+    """A module's parameters on the meta device (`shapes_only`): names and shapes, nothing allocated."""
     n = cfg.private_blocks_per_path if module_id.startswith("p") else cfg.blocks_per_module
-    return BlockStack(cfg, n)
+    with shapes_only():
+        return Trunk(cfg) if module_id == TRUNK else BlockStack(cfg, n)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -30,7 +30,7 @@ from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest
 from peer.model.grid import all_module_ids
-from peer.model.transformer import build_module_shape_only, shapes_only
+from peer.model.transformer import build_module_shape_only
 from peer.run.admission import AdmissionCheck
 from peer.swarm.claims import ClaimView, holders_by_module
 from peer.sync import wire
@@ -49,8 +49,7 @@ logger = logging.getLogger(__name__)
 def state_numels(manifest: RunManifest, module_id: str) -> list[int]:
     """Sizes of a module's state tensors: θ̄ per fragment, then momentum per fragment."""
     cfg, n = manifest.model, manifest.sync.fragments
-    with shapes_only():
-        named = list(build_module_shape_only(cfg, module_id).named_parameters())
+    named = list(build_module_shape_only(cfg, module_id).named_parameters())
     plan = FragmentPlan(cfg, module_id, [k for k, _ in named], [p.shape for _, p in named], n)
     sizes = [plan.size(f) for f in range(n)]
     return sizes + sizes

@@ -44,7 +44,6 @@ def fragment_bytes(manifest: RunManifest, path_parameters: int) -> float:
 
 
 def path_parameters(manifest: RunManifest) -> int:
-
     with shapes_only():
         model = PathModel(manifest.model, (0,) * manifest.model.n_levels)
     return count_parameters(model)
@@ -153,9 +152,7 @@ def bits_for(n: int) -> int:
 @lru_cache(maxsize=8)
 def grid_state(cfg: ModelConfig) -> GridState:
     """Each path's modules and each module's state bytes (shapes only: nothing is allocated)."""
-
-    with shapes_only():
-        sizes = {m: count_parameters(build_module_shape_only(cfg, m)) for m in all_module_ids(cfg)}
+    sizes = {m: count_parameters(build_module_shape_only(cfg, m)) for m in all_module_ids(cfg)}
     return GridState(
         tuple(frozenset(path_module_ids(cfg, p)) for p in all_paths(cfg)),
         {m: float(n * STATE_BYTES_PER_PARAMETER) for m, n in sizes.items()},
