@@ -19,6 +19,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from dht.node import start_dht  # noqa: E402
 
+try:  # on a fresh machine matplotlib builds its font cache by running fc-list: once, here, not in a test
+    import matplotlib.font_manager  # noqa: E402, F401
+except ImportError:  # the dev extra brings it; without it the plotting tests fail on their own
+    pass
+
 #: processes started since the current test began (subprocesses and multiprocessing children)
 _started: list[str] = []
 

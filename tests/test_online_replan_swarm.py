@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from datetime import datetime
 
 import pytest
 from hivemind.p2p import P2P, PeerID
@@ -16,7 +18,10 @@ pytestmark = pytest.mark.swarm
 
 TRAINING = re.compile(r"training path (\d+) ")
 ROUND = re.compile(r"round (\d+) step")
+DECISION = re.compile(r"^(\S+ \S+) INFO .*online re-plan \(measurement, round \d+\): move", re.M)
 FAST, SLOW = [0.001, 1e9], [0.2, 2e5]
+#: from the probe file's change to a mover's decision, on a loaded 2-core machine
+REACTION_SECONDS = 10.0
 
 
 @pytest.mark.timeout(150)
@@ -63,8 +68,8 @@ def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_plann
             by_path.setdefault(k, []).append(pid)
         assert sorted(len(g) for g in by_path.values()) == [2, 2], start
         region = {g[j]: j for g in by_path.values() for j in range(2)}
-        changed_at = max(max(rounds(i)) for i in range(4))
         write_probes(region)
+        changed_at = time.time()
         for i in range(4):
             assert swarm.wait(f"p{i}", timeout=120) == 0, log(i)[-3000:]
         logs = [log(i) for i in range(4)]
@@ -76,8 +81,10 @@ def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_plann
     assert len({final[p] for p in ids if region[p] == 0}) == 1
     assert len({final[p] for p in ids if region[p] == 1}) == 1
     for i in movers:
-        decision = re.search(r"online re-plan \(measurement, round (\d+)\): move", logs[i])
+        decision = DECISION.search(logs[i])
         assert decision, logs[i][-3000:]
-        # within a few rounds of the slow-down: a probe cycle and a heartbeat carry it to the planner,
-        # and a loaded machine's rounds run faster than its probes (a full suite: round 7 for 2 + 4)
-        assert int(decision.group(1)) <= changed_at + 6
+        # soon after the slow-down: a probe cycle (1 s) and a heartbeat (1 s) carry it to the planner,
+        # which looks at the next round's end. Counted in seconds, not rounds: these rounds of 4 tiny
+        # steps are shorter than a probe cycle, and more of them pass on a faster machine.
+        decided_at = datetime.strptime(decision.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        assert decided_at - changed_at <= REACTION_SECONDS, (decided_at - changed_at, logs[i][-3000:])

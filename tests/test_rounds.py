@@ -360,7 +360,8 @@ def test_a_joiner_whose_holder_decided_the_round_without_it_learns_so_at_once_in
         assert alone.outcome == "alone"
         ids = [holder.peer_id, joiner.peer_id]
         late = joiner.runner.start((MODULE, 0, 4), x, 1.0, ids, "0" * 64).result(timeout=60)
-        assert late.outcome == "behind" and late.ahead == [holder.peer_id], (late.outcome, late.detail)
+        why = (late.outcome, late.detail, late.dropped)
+        assert late.outcome == "behind" and late.ahead == [holder.peer_id], why
         assert late.seconds < 15, late.seconds
         # a round that counts the joiner takes its part
         assert send_delta(joiner, holder, fp32_bytes(x), NUMEL, round_index=5).ok

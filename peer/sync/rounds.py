@@ -415,8 +415,11 @@ class RoundRunner:
             )
         elif self.me not in parts:
             outcome, detail = "excluded", "our outer gradient did not reach a majority of the voters in time"
+        elif len(parts) == 1:  # say why nobody else's part is in: the log line is all a user sees
+            outcome = "alone"
+            detail = "; ".join(f"{m[:12]}: {why}" for m, why in sorted(dropped.items())) or "no other part"
         else:
-            outcome, detail = ("alone" if len(parts) == 1 else "averaged"), ""
+            outcome, detail = "averaged", ""
         if dropped:  # said by the caller (PathSync), which knows whether we are still joining
             logger.debug(f"{key}: left out of the average: {dropped}")
         return RoundResult(
