@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=24, help="outer rounds of each rotation peer")
     p.add_argument("--churn_rounds", type=int, default=20, help="outer rounds of each churn peer")
     p.add_argument("--inner_steps", type=int, default=50, help="H")
+    p.add_argument("--overlap_steps", type=int, default=0, help="τ of the run (peers may raise their own)")
     p.add_argument("--d_model", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--builtin_docs", type=int, default=1500)
@@ -87,7 +88,9 @@ def make_manifest(args: argparse.Namespace, name: str, rounds: int) -> RunManife
         DatasetSpec(kind="builtin", builtin_docs=args.builtin_docs),
         seq_len=32,
         inner=InnerOptimizerConfig(lr=3e-3, warmup_steps=20, total_steps=rounds * args.inner_steps),
-        sync=SyncConfig(inner_steps=args.inner_steps, averaging_timeout_seconds=30.0),
+        sync=SyncConfig(
+            inner_steps=args.inner_steps, overlap_steps=args.overlap_steps, averaging_timeout_seconds=30.0
+        ),
         router_docs=200,
         seed=args.seed,
     )
@@ -294,18 +297,21 @@ def write_outputs(out: Path, report: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    arms = [a for a in ("rotation", "churn") if a in report]
+    fig, axes = plt.subplots(1, len(arms), figsize=(4 * len(arms), 3.2), squeeze=False)
+    axis = dict(zip(arms, axes[0], strict=True))
     if "rotation" in report:
         r = report["rotation"]
-        axes[0].bar(["measured", "monitor"], [r["tokens_per_second"], r["monitor_tokens_per_second"]])
-        axes[0].set(title=f"rotation: tokens/s (train fraction {r['train_fraction']:.2f})")
+        rates = [r["tokens_per_second"], r["monitor_tokens_per_second"]]
+        axis["rotation"].bar(["measured", "monitor"], rates)
+        axis["rotation"].set(title=f"rotation: tokens/s (train fraction {r['train_fraction']:.2f})")
     if "churn" in report:
         c = report["churn"]
         labels = ["clean (start)", "churn", "clean (end)"]
         values = [c["clean_start"]["tokens_per_second"], c["kill"]["tokens_per_second"],
                   c["clean_end"]["tokens_per_second"]]  # fmt: skip
-        axes[1].bar(labels, values, color=["C0", "C3", "C0"])
-        axes[1].set(title=f"churn: tokens/s ({len(c['kill']['kills'])} kills)")
+        axis["churn"].bar(labels, values, color=["C0", "C3", "C0"])
+        axis["churn"].set(title=f"churn: tokens/s ({len(c['kill']['kills'])} kills)")
     fig.tight_layout()
     fig.savefig(out / "goodput.png", dpi=120)
     return text

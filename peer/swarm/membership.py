@@ -334,9 +334,9 @@ class Membership:
         self.publish_claim()
 
     def start_path(self) -> None:
-        """Ready to average on the path we moved to."""
+        """Ready to average on the path we moved to: in the DHT before we say HELLO to its holders."""
         self.ready = True
-        self.announce()
+        self.publish_claim()
 
     def wait_for_peers(self, n: int, ready_only: bool) -> None:
         """Waits until `n` peers (us included) have claimed a path, or are ready to average."""

@@ -188,6 +188,10 @@ class Inbox:
             if key[0] in modules:
                 slot.changed.set()
 
+    def note_hello(self, sender: str, modules: list[str]) -> None:
+        """`sender`'s claim on `modules` was read after it said HELLO: it holds them again."""
+        self._byes.get(sender, set()).difference_update(modules)
+
     def gone(self, peer: str, module: str) -> bool:
         """Whether `peer` no longer holds `module`: it said so, or its claim no longer lists it."""
         return module in self._byes.get(peer, ()) or not self.is_holder(peer, module)

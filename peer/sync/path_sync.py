@@ -32,6 +32,7 @@ from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
+from peer.sync.hello import ClaimRefresh, install_hello_handler, say_hello
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
@@ -133,10 +134,12 @@ class PathSync:
         standing: Standing | None = None,
         sent: SentRounds | None = None,
         limits: ServeLimits | None = None,
+        read_claims: Callable[[], object] | None = None,
     ) -> None:
         """Opens this peer's end of the protocol (call once the modules hold their starting state):
         `key` signs our reports, `standing` says whose votes count, `sent` keeps the rounds we sent
-        parts for (across restarts), `limits` bounds what other peers can make us upload. After a
+        parts for (across restarts), `limits` bounds what other peers can make us upload,
+        `read_claims` renews the claim view behind `is_holder` when a mover says HELLO. After a
         rotation, `service` is the old path's: the peer keeps its P2P stream handler (the daemon does
         not reliably route a protocol re-registered by another replica) and its inbox's bans and
         pending deliveries; only the modules the inbox accepts change."""
@@ -155,6 +158,8 @@ class PathSync:
             service = SyncService(
                 dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30, key=key
             )
+            if read_claims is not None:
+                install_hello_handler(service, ClaimRefresh(read_claims))
         else:
             service.inbox.fragment_sizes = sizes
             self._refused_seen = Counter(service.refused)
@@ -340,6 +345,14 @@ class PathSync:
             await asyncio.gather(*(tell(p) for p in peers))
 
         self.service.call(tell_all(), timeout + 2)
+
+    def say_hello(self, holders: dict[str, list[str]], timeout: float) -> bool:
+        """Tells the other holders of our modules (we just moved here) to read our claim; whether all
+        of them saw it within `timeout` (then our first sync here need not wait for their heartbeats)."""
+        peers = sorted({p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id})
+        if self.service is None or not peers:
+            return True
+        return set(say_hello(self.service, sorted(self.syncs), peers, timeout)) == set(peers)
 
     def hand_over(self, modules: list[str], keepers: list[str]) -> list[str]:
         """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits;

@@ -48,6 +48,7 @@ class Kind(enum.IntEnum):
     ADMITTED = 13  # Admitted: the token
     STANDING = 14  # StandingQuery; answered with an ACK whose reason is the count, as decimal digits
     BYE = 15  # Bye: "I leave these modules now (moving or stopping): do not wait for me"; an ACK
+    HELLO = 16  # Hello: "I hold these modules now: read my claim"; an ACK once the claim is seen
 
 
 class WireError(ValueError):
@@ -155,6 +156,13 @@ class Admitted(BaseModel):
 class Bye(Header):
     """The sender stops holding `modules` now (it moves to another path, or leaves): its rounds of
     them are not waited for. About itself only, so its word is enough."""
+
+    modules: list[str] = Field(max_length=64)
+
+
+class Hello(Header):
+    """The sender holds `modules` now (it moved to a path through them): read the claims again. A hint:
+    the receiver counts the sender's claim as read from the DHT, not this message."""
 
     modules: list[str] = Field(max_length=64)
 

@@ -205,7 +205,9 @@ class Peer:
         modules whose holders (or keepers) are ahead of us and reads the path's data shard: at
         start-up and after a rotation."""
         ms, sent = self.membership, self.checkpoints.sent_rounds(self.manifest.run_id)
-        self.sync.start(self.dht, ms.is_holder, service, self.key, ms.standing, sent, self.serve_limits)
+        self.sync.start(
+            self.dht, ms.is_holder, service, self.key, ms.standing, sent, self.serve_limits, ms.read_claims
+        )
         downloaded = self.sync.catch_up(self.membership.donors(), self.membership.kept())
         self.outer_round = max(self.outer_round, self.sync.outer_round)
         if downloaded:
@@ -377,11 +379,13 @@ class Peer:
         # the next sync's weight counts the tokens trained on this path, not those since the start
         self.sync.reset_tokens(self.tokens_total)
         self._join_path(old_sync.service)
-        # The other holders accept our outer gradients once their claim views (renewed every
-        # heartbeat) show our new claim: give them two heartbeats before our first sync on this path
-        # (rounds usually take far longer; this matters to short rounds).
-        self.stop_requested.wait(max(0.0, moved_at + 2 * self.config.heartbeat_seconds - time.monotonic()))
+        # The other holders count us in their rounds once their claim views show our new claim. We
+        # tell them to read it now (HELLO); only if one does not confirm do we give its view the two
+        # heartbeats in which it renews itself before our first sync here.
         self.membership.start_path()
+        settle = 2 * self.config.heartbeat_seconds
+        if not self.sync.say_hello(self.membership.holders(), settle):
+            self.stop_requested.wait(max(0.0, moved_at + settle - time.monotonic()))
         logger.info(f"training path {rotation.target} {self.path}: modules {self.model.module_ids}")
 
     def checkpoint(self) -> Path | None:

@@ -1,0 +1,106 @@
+"""A mover's HELLO: "I hold these modules now; read my claim". The other holders of a path's modules
+count a peer in their rounds once their claim view shows it ready there, and that view is renewed
+every heartbeat; a peer that rotated would otherwise sit idle for two heartbeats before its first
+sync (and its old groups' rounds wait for it meanwhile). After publishing its new claim it says HELLO
+to the holders of its new path's modules; each reads the claims again from the DHT at once (the
+message is only a hint: the claim it counts is the signed one in the DHT, never the message) and
+answers whether it now sees the sender holding every module named.
+
+What a stranger can make us do with HELLOs is bounded: one claim read per `min_interval_seconds`
+however many arrive (`ClaimRefresh`), and HELLOs that arrive during a read share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from peer.sync import wire
+from peer.sync.inbox import Refused
+from peer.sync.service import SyncService
+from peer.sync.wire import Ack, Kind
+
+logger = logging.getLogger(__name__)
+
+#: the least time between two claim reads that HELLOs cause (a heartbeat's reads are not counted)
+HELLO_READ_INTERVAL_SECONDS = 1.0
+#: HELLOs waiting for a read at once; more are answered "busy" at once (the sender's heartbeat wait)
+MAX_WAITING_HELLOS = 64
+
+
+class ClaimRefresh:
+    """Reads the claim view again for HELLOs, at most once per `min_interval_seconds` (on the sync
+    service's loop: waiting HELLOs hold no thread)."""
+
+    def __init__(self, read: Callable[[], object], min_interval_seconds: float = HELLO_READ_INTERVAL_SECONDS):
+        """`read`: reads the run's claims from the DHT into the peer's claim view (blocking)."""
+        self._read = read
+        self.min_interval = min_interval_seconds
+        self._lock: asyncio.Lock | None = None  # made on the loop that uses it
+        self._started = -float("inf")  # when the last read began (monotonic)
+        self.waiting = 0
+        #: reads done for HELLOs (what a flood of them cost us)
+        self.reads = 0
+
+    async def after(self, since: float) -> None:
+        """Returns once a read that began at or after `since` (monotonic) has finished."""
+        self._lock = self._lock or asyncio.Lock()
+        self.waiting += 1
+        try:
+            async with self._lock:
+                if self._started >= since:  # began after the HELLO came: it saw the claim
+                    return
+                await asyncio.sleep(max(0.0, self._started + self.min_interval - time.monotonic()))
+                self._started = time.monotonic()
+                self.reads += 1
+                await asyncio.get_running_loop().run_in_executor(None, self._read)
+        finally:
+            self.waiting -= 1
+
+
+def install_hello_handler(service: SyncService, refresh: ClaimRefresh) -> None:
+    """Answers HELLOs: reads the claims again, then ACKs whether the sender holds every module named."""
+
+    async def on_hello(sender: str, body: bytes, reader, writer) -> None:
+        came = time.monotonic()
+        hello = wire.parse(wire.Hello, body)
+        if hello.run != service.run:
+            raise Refused("run", f"run {hello.run}, ours is {service.run}")
+        modules = [m for m in hello.modules if m in service.inbox.fragment_sizes]
+        if not modules:
+            raise Refused("not_held", "we hold none of these modules")
+        if refresh.waiting >= MAX_WAITING_HELLOS:
+            ack = Ack(ok=False, reason="busy")
+        else:
+            await refresh.after(came)
+            unseen = [m for m in modules if not service.inbox.is_holder(sender, m)]
+            ack = Ack(ok=not unseen, reason=f"no claim of yours on {', '.join(unseen)}" if unseen else "")
+            if not unseen:
+                service.inbox.note_hello(sender, modules)
+        await wire.write(writer, wire.pack_header(Kind.ACK, ack))
+
+    service.extra_handlers[Kind.HELLO] = on_hello
+
+
+def say_hello(service: SyncService, modules: list[str], peers: list[str], timeout: float) -> list[str]:
+    """Tells `peers` (holders of some of `modules`) that we hold `modules` now and waits, at most
+    `timeout`, for each to see our claim; returns those that did (blocking)."""
+    frames = [wire.pack_header(Kind.HELLO, wire.Hello(run=service.run, modules=modules))]
+
+    async def ask(peer: str) -> bool:
+        try:
+            ack = await service.request(peer, frames, timeout)
+        except Exception as e:
+            logger.debug(f"HELLO to {peer} failed: {type(e).__name__}: {e}")
+            return False
+        if not ack.ok:
+            logger.debug(f"{peer} does not see our new claim yet: {ack.reason}")
+        return ack.ok
+
+    async def ask_all() -> list[str]:
+        seen = await asyncio.gather(*(ask(p) for p in peers))
+        return [p for p, ok in zip(peers, seen, strict=True) if ok]
+
+    return service.call(ask_all(), timeout + 2) if peers else []
