@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=24, help="outer rounds of each rotation peer")
-    p.add_argument("--churn_rounds", type=int, default=20, help="outer rounds of each churn peer")
+    p.add_argument("--churn_rounds", type=int, default=40, help="outer rounds of each churn peer")
     p.add_argument("--inner_steps", type=int, default=50, help="H")
     p.add_argument("--overlap_steps", type=int, default=0, help="τ of the run (peers may raise their own)")
     p.add_argument("--d_model", type=int, default=64)

@@ -40,6 +40,7 @@ from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part
 from peer.sync.inbox import Delivery, Key, delivery_digest
+from peer.sync.probe import probe_silent
 from peer.sync.reports import sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
@@ -49,11 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
-#: how often a member whose part we still wait for is asked whether it answers at all, and how long
-#: an answer may take: a peer killed after it took our part sends nothing and says nothing, and its
-#: host refuses the connection at once; a slow answer is no verdict (a busy peer is not a gone one)
-PROBE_SECONDS = 2.0
-PROBE_TIMEOUT_SECONDS = 5.0
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 GONE = ("unreachable", "ahead", LEFT)
 #: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
@@ -243,37 +239,17 @@ class RoundRunner:
                 for m in others
             )
 
-        probe = asyncio.create_task(self._probe(key, others, failed, deadline))
+        def silent() -> list[str]:
+            waited = set(slot.deliveries) | set(slot.refused) | set(failed)
+            return [m for m in others if m not in waited]
+
+        slot = inbox.slot(key)
+        probe = asyncio.create_task(probe_silent(self.service, key, silent, failed, deadline))
         try:
             await inbox.wait(key, gathered, deadline)
         finally:
             probe.cancel()
         return sends
-
-    async def _probe(self, key: Key, others: list[str], failed: dict[str, str], deadline: float) -> None:
-        """Every PROBE_SECONDS, asks each member whose part has not come whether it still answers (a
-        standing query: one small frame and an ACK); one whose host refuses us is not waited for."""
-        loop = asyncio.get_running_loop()
-        slot = self.service.inbox.slot(key)
-        query = wire.StandingQuery(run=self.service.run, module=key[0], peer=self.me)
-        frames = [wire.pack_header(Kind.STANDING, query)]
-
-        async def ask(member: str) -> None:
-            try:
-                await self.service.request(member, frames, PROBE_TIMEOUT_SECONDS)
-            except TimeoutError:
-                return
-            except Exception as e:  # the dial failed or the stream was reset: nobody is there
-                if member not in slot.deliveries:
-                    failed.setdefault(member, f"unreachable (stopped answering: {type(e).__name__})")
-                    slot.changed.set()
-
-        while loop.time() + PROBE_SECONDS < deadline:
-            await asyncio.sleep(PROBE_SECONDS)
-            waiting = [
-                m for m in others if m not in slot.deliveries and m not in slot.refused and m not in failed
-            ]
-            await asyncio.gather(*(ask(m) for m in waiting))
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
         """Signs and sends our report, waits for the others', then relays every report we hold."""
@@ -290,7 +266,16 @@ class RoundRunner:
         frames = [wire.pack_header(Kind.REPORT, report)]
         sends = [asyncio.create_task(self._send(m, frames, deadline, {}, key, inbox=False)) for m in others]
         reporters = [s for s in received if s != self.me]  # members alive enough to have sent us their Δ
-        await inbox.wait(key, lambda slot: all(r in slot.reports.reports for r in reporters), deadline)
+        dead: dict[str, str] = {}  # a member killed after its part came: its host refuses our probe
+
+        def silent() -> list[str]:
+            return [r for r in reporters if r not in slot.reports.reports and r not in dead]
+
+        probe = asyncio.create_task(probe_silent(service, key, silent, dead, deadline))
+        try:
+            await inbox.wait(key, lambda slot: not silent(), deadline)
+        finally:
+            probe.cancel()
         logger.debug(f"{key}: reports from {sorted(slot.reports.reports)} of {reporters}")
         # the echo: every report we hold (both of an equivocator's), to every member that reported
         held = list(slot.reports.reports.values()) + [b for _, b in slot.reports.equivocators.values()]
