@@ -69,3 +69,41 @@ def test_a_member_killed_after_its_part_came_is_not_waited_for_until_the_report_
 
 async def _delivered(member, sender) -> bool:
     return sender in member.service.inbox.slot((MODULE, 0, 0)).deliveries
+
+
+def test_a_restarted_member_sits_a_round_it_sent_before_out_once_and_then_goes_on_alone(
+    dht_factory, tmp_path
+):
+    """Its previous life sent round 0 and was killed; so was every other holder's (a churn run kills
+    several at once), so nobody gets past round 0. It sits the round out once (no second report: that
+    would be an equivocation), takes the holders' state, which is still at round 0, and comes to round
+    0 again: it goes on alone at once instead of sitting it out again (a churn run spent minutes of
+    35-second sit-outs of the same round), still sending nothing."""
+    from peer.sync.sent_rounds import SentRounds
+    from tests.sync_members import RUN_ID
+
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)  # its previous life
+    x = torch.full((NUMEL,), 0.01)
+    with sync_group(
+        dht_factory,
+        2,
+        NUMEL,
+        averaging_timeout=2.0,
+        report_timeout=1.0,
+        sent={0: SentRounds(tmp_path, RUN_ID)},
+    ) as members:
+        restarted, other = members
+        ids = [m.peer_id for m in members]
+        first = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64).result(timeout=30)
+        assert first.outcome == "behind" and first.ahead == [other.peer_id], (first.outcome, first.detail)
+        started = time.monotonic()
+        again = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64).result(timeout=30)
+        seconds = time.monotonic() - started
+        reports = other.service.call(_reports(other))
+    assert again.outcome == "alone" and again.members == [restarted.peer_id], (again.outcome, again.detail)
+    assert seconds < 1.5, seconds  # not another sit-out (3 s here, 35 s by default)
+    assert restarted.peer_id not in reports and not other.service.inbox.banned(restarted.peer_id)
+
+
+async def _reports(member) -> list[str]:
+    return list(member.service.inbox.slot((MODULE, 0, 0)).reports.reports)

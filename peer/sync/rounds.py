@@ -112,6 +112,8 @@ class RoundRunner:
         #: the rounds we sent a part for, this life and (kept on disk) earlier ones
         self.sent = sent if sent is not None else SentRounds(None)
         self.me = service.peer_id
+        #: rounds sent before a restart that we sat out once in this life (a second time goes alone)
+        self._sat_out: set[Key] = set()
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
@@ -162,6 +164,9 @@ class RoundRunner:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         if self.sent.sent_before_start(*key):
+            if key in self._sat_out:
+                return self._skip(key, own)
+            self._sat_out.add(key)
             return await self._sit_out(key, own, others)
         token = inbox.standing.own_token
         if payload is None:
@@ -190,6 +195,16 @@ class RoundRunner:
         result = await self._decide(key, own, members, state_digest, failed, took)
         slot.decided_with = frozenset([*others, self.me])
         return result
+
+    def _skip(self, key: Key, own: torch.Tensor) -> RoundResult:
+        """A round we sat out once already in this life, and the holders' state we took then is still
+        at it: nobody got past it (every holder may have sent it before a restart, a churn run kills
+        several at once), and sitting it out again would wait for good. We go on alone (our own Δ,
+        sending nothing); the next round's digests reconcile the copies."""
+        self.service.inbox.slot(key).decided_with = frozenset([self.me])
+        logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
+        detail = "sent before a restart; nobody got past it"
+        return RoundResult("alone", own, 1, detail=detail, members=[self.me])
 
     async def _sit_out(self, key: Key, own: torch.Tensor, others: list[str]) -> RoundResult:
         """A round an earlier life of this peer sent its part and report for (it was killed mid-round):
