@@ -40,6 +40,8 @@ PROBE_BYTES = 512 * 1024
 RESERVATION_WAIT_SECONDS = 15.0
 #: each start passes with odds of about 1/2 here (see the docstring), so 8 fail together ~0.4% of the time
 MAX_STARTS = 8
+#: runs of the probe before its verdict is "unchecked" (its helper daemons did not start)
+PROBE_TRIES = 2
 
 
 async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
@@ -124,14 +126,23 @@ def prefer_configured_relay() -> None:
         os.environ["GOMAXPROCS"] = "1"
 
 
-def check_relay(dht: hivemind.DHT) -> str:
-    """Runs the probe through `dht`'s node; see `_probe` for the answers."""
+def check_relay(dht: hivemind.DHT, tries: int = PROBE_TRIES) -> str:
+    """Runs the probe through `dht`'s node; see `_probe` for the answers, and "unchecked (why)" when
+    the probe itself could not run (its helper daemons did not start: a loaded machine), `tries`
+    times: a failed self-test must not stop the node it tests."""
     own = [m for m in visible_maddrs(dht) if "p2p-circuit" not in m]
     # the helpers run on this machine: prefer loopback, then any address this node listens on
     own.sort(key=lambda m: not m.startswith("/ip4/127."))
     loop = BackgroundLoop("relay-probe")
     try:
-        return loop.call(_probe(own[0]), RESERVATION_WAIT_SECONDS + 60)
+        for attempt in range(1, tries + 1):
+            try:
+                return loop.call(_probe(own[0]), RESERVATION_WAIT_SECONDS + 60)
+            except Exception as e:
+                text = str(e).strip()
+                why = f"{type(e).__name__}: {text.splitlines()[-1][:200]}" if text else type(e).__name__
+                logger.debug(f"relay probe {attempt}/{tries} could not run: {why}")
+        return f"unchecked ({why})"
     finally:
         loop.stop()
 
@@ -146,7 +157,7 @@ def start_relaying_dht(start: Callable[[], tuple], attempts: int = MAX_STARTS) -
         if verdict == "relays":
             logger.info(f"relay for peers behind NAT: up (checked with {PROBE_BYTES // 1024} KiB)")
             return started
-        if verdict == "no relay" or attempt == attempts:
+        if verdict == "no relay" or verdict.startswith("unchecked") or attempt == attempts:
             logger.warning(
                 f"relay for peers behind NAT: {verdict} after {attempt} start(s); peers with "
                 "--use_auto_relay that rely on this node may fail to download or average modules"

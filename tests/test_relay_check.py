@@ -46,3 +46,22 @@ def test_a_node_that_relays_only_with_the_default_limits_is_restarted_and_then_w
     finally:
         for node in started:
             node.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.swarm
+def test_a_relay_probe_that_cannot_start_its_helpers_says_unchecked_and_the_node_starts(monkeypatch, caplog):
+    """The probe's helper daemons bootstrap from the node under test; when they cannot (here: an
+    address nobody listens on; in CI once: a loaded machine), the verdict is "unchecked", the node
+    is kept and a warning says so, instead of the bootstrap command dying of its own self-test."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, nat_port_map=False)
+    try:
+        closed = f"/ip4/127.0.0.1/tcp/1/p2p/{dht.peer_id}"
+        monkeypatch.setattr(relay_check, "visible_maddrs", lambda node: [closed])
+        assert relay_check.check_relay(dht).startswith("unchecked (")
+        starts = []
+        started = relay_check.start_relaying_dht(lambda: starts.append(dht) or (dht,), attempts=3)
+        assert started == (dht,) and len(starts) == 1  # kept, not restarted: the relay was not judged
+        assert "relay for peers behind NAT: unchecked" in caplog.text
+    finally:
+        dht.shutdown()
