@@ -88,19 +88,8 @@ def say_hello(service: SyncService, modules: list[str], peers: list[str], timeou
     """Tells `peers` (holders of some of `modules`) that we hold `modules` now and waits, at most
     `timeout`, for each to see our claim; returns those that did (blocking)."""
     frames = [wire.pack_header(Kind.HELLO, wire.Hello(run=service.run, modules=modules))]
-
-    async def ask(peer: str) -> bool:
-        try:
-            ack = await service.request(peer, frames, timeout)
-        except Exception as e:
-            logger.debug(f"HELLO to {peer} failed: {type(e).__name__}: {e}")
-            return False
-        if not ack.ok:
+    acks = service.request_each(peers, frames, timeout) if peers else {}
+    for peer, ack in acks.items():
+        if ack is not None and not ack.ok:
             logger.debug(f"{peer} does not see our new claim yet: {ack.reason}")
-        return ack.ok
-
-    async def ask_all() -> list[str]:
-        seen = await asyncio.gather(*(ask(p) for p in peers))
-        return [p for p, ok in zip(peers, seen, strict=True) if ok]
-
-    return service.call(ask_all(), timeout + 2) if peers else []
+    return [peer for peer, ack in acks.items() if ack is not None and ack.ok]

@@ -13,7 +13,6 @@ and deals with what each round's result asks for.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -334,17 +333,7 @@ class PathSync:
         if self.service is None or not peers or not modules:
             return
         frames = [wire.pack_header(Kind.BYE, wire.Bye(run=self.service.run, modules=modules))]
-
-        async def tell_all() -> None:
-            async def tell(peer: str) -> None:
-                try:
-                    await self.service.request(peer, frames, timeout)
-                except Exception as e:
-                    logger.debug(f"could not tell {peer} we leave {modules}: {type(e).__name__}: {e}")
-
-            await asyncio.gather(*(tell(p) for p in peers))
-
-        self.service.call(tell_all(), timeout + 2)
+        self.service.request_each(peers, frames, timeout)
 
     def say_hello(self, holders: dict[str, list[str]], timeout: float) -> bool:
         """Tells the other holders of our modules (we just moved here) to read our claim; whether all

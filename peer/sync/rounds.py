@@ -254,11 +254,12 @@ class RoundRunner:
                 for m in others
             )
 
+        slot = inbox.slot(key)
+
         def silent() -> list[str]:
             waited = set(slot.deliveries) | set(slot.refused) | set(failed)
             return [m for m in others if m not in waited]
 
-        slot = inbox.slot(key)
         probe = asyncio.create_task(probe_silent(self.service, key, silent, failed, deadline))
         try:
             await inbox.wait(key, gathered, deadline)

@@ -231,6 +231,22 @@ class SyncService:
 
         return await asyncio.wait_for(go(), timeout)
 
+    def request_each(self, peers: list[str], frames: list[bytes], timeout: float) -> dict[str, Ack | None]:
+        """Sends the same request to each of `peers` at once and waits, at most `timeout`, for their
+        ACKs: None for a peer that could not be reached or did not answer in time (blocking)."""
+
+        async def one(peer: str) -> Ack | None:
+            try:
+                return await self.request(peer, frames, timeout)
+            except Exception as e:
+                logger.debug(f"request to {peer} failed: {type(e).__name__}: {e}")
+                return None
+
+        async def each() -> dict[str, Ack | None]:
+            return dict(zip(peers, await asyncio.gather(*(one(p) for p in peers)), strict=True))
+
+        return self.call(each(), timeout + 2)
+
     async def send_all(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
         """Sends every frame of one message to `peer` at once and returns its single ACK (an echo: the
         receiver reads them all, each capped, before it answers)."""
