@@ -18,7 +18,9 @@ pytestmark = pytest.mark.swarm
 
 TRAINING = re.compile(r"training path (\d+) ")
 ROUND = re.compile(r"round (\d+) step")
-DECISION = re.compile(r"^(\S+ \S+) INFO .*online re-plan \(measurement, round \d+\): move", re.M)
+#: a mover's decision: re-planned on the new measurement, or on a claim that changed after it (the
+#: other mover's, when this peer's first look at partly renewed probes kept it where it was)
+DECISION = re.compile(r"^(\S+ \S+) INFO .*online re-plan \((?:measurement|claims), round \d+\): move", re.M)
 FAST, SLOW = [0.001, 1e9], [0.2, 2e5]
 #: from the probe file's change to a mover's decision, on a loaded 2-core machine
 REACTION_SECONDS = 10.0
