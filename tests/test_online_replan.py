@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import random
 
+import hivemind
 import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from dht.schema import ClaimRecord, ProbeRecord
-from peer.config import RunManifest
+from peer.config import PeerConfig, RunManifest
 from peer.config.manifest import SchedulerConfig, SyncConfig
-from peer.model.grid import ModelConfig
+from peer.model.grid import ModelConfig, all_paths
+from peer.run.record import sign_manifest
 from peer.scheduler import Assignment, GridState, online_decision
+from peer.swarm.membership import Membership, Progress
 from peer.swarm.planning import build_snapshot, grid_state, online_move, path_parameters
+from peer.training.replan import OnlineReplanner
 
 # two regions, interleaved in id order so that sorting ids does not group them by chance
 REGION = {"pa": 0, "pb": 1, "pc": 0, "pd": 1}
@@ -147,3 +153,64 @@ def test_no_move_in_random_swarms_leaves_a_held_module_without_a_ready_holder():
 def test_online_replanning_in_a_run_without_a_plan_is_refused_naming_the_setting():
     with pytest.raises(ValidationError, match="replan_online re-runs the plan: it needs mode 'planned'"):
         SchedulerConfig(mode="least_covered", replan_online=True)
+
+
+@pytest.mark.swarm  # a real DHT node (a child process) under the peer's membership
+@pytest.mark.timeout(60)
+def test_a_peer_does_not_move_on_a_view_whose_measurement_lags_behind_a_movers_new_claim(tmp_path):
+    """The live re-plan test once saw three movers where the plan has two: the first mover's new claim
+    reached a co-holder at once (HELLO) while the slower links that moved it reached that co-holder
+    only at its next heartbeat; on the half-renewed view (old links, new claims) the plan balances the
+    paths by moving the co-holder, the wrong peer. A peer decides only on views that stayed the same
+    for `settle_seconds`, so the full view comes first."""
+    m = manifest()
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        config = PeerConfig(
+            run="online",
+            new_swarm=True,
+            manifest_path=tmp_path / "m.json",
+            checkpoint_dir=tmp_path,
+            heartbeat_seconds=1.0,
+        )
+        key = RSAPrivateKey()
+        member = Membership(dht, key, config, m, sign_manifest(m, key), Progress, torch.device("cpu"))
+        me = member.peer_id  # plays pa: region 0, on path 0 with pb
+        member.path, member.ready = all_paths(m.model)[0], True
+
+        def view(paths: dict[str, int], links: list[float]):
+            names = {"pa": me} | {p: p for p in REGION if p != "pa"}
+            records = {
+                names[p]: ProbeRecord(
+                    peer_id=names[p],
+                    tokens_per_second=1e6,
+                    memory_bytes=1 << 34,
+                    links={names[q]: (FAST if REGION[p] == REGION[q] else links) for q in REGION if q != p},
+                )  # fmt: skip
+                for p in REGION
+            }
+            member.claims = {names[p]: c.model_copy(update={"peer_id": names[p]})
+                             for p, c in claims(paths).items()}  # fmt: skip
+            member.snapshot = build_snapshot(m, records, member.claims, path_parameters(m), batch_size=4)
+
+        # pc (region 0, path 1) moved to path 0 on the slow links: pa, pb, pc on path 0, pd alone on 1
+        after_pc = {"pa": 0, "pb": 0, "pc": 0, "pd": 1}
+        views = [(0.0, MIXED, FAST), (1.5, MIXED, FAST), (2.0, after_pc, FAST), (2.4, after_pc, SLOW),
+                 (3.0, after_pc, SLOW), (3.6, after_pc, SLOW)]  # fmt: skip
+        for settle, expected in ((1.0, []), (0.0, [2.0])):
+            now = [0.0]
+            planner = OnlineReplanner(member, settle_seconds=settle, clock=lambda now=now: now[0])
+            moves = []
+            for t, paths, links in views:
+                now[0] = t
+                view(paths, links)
+                if planner.decide(outer_round=int(t * 10)) is not None:
+                    moves.append(t)
+            # settled: pa stays (pb is the plan's mover on the full view); not settled, pa moves on the
+            # half-renewed view at t = 2.0, which is how a third peer moved
+            assert moves == expected, (settle, moves, planner.last and planner.last.reason)
+        assert planner.last is not None
+        # and a peer the settled full view moves does move: pb (region 1) is the plan's mover
+        assert "pb" in planner.last.movers
+    finally:
+        dht.shutdown()

@@ -3,12 +3,20 @@ since the last look (a peer joined or left, a claim moved or became ready, a pro
 speed or link), the peer re-runs the run's plan on its views (peer/swarm/planning.py `online_move`)
 and moves itself when the plan's predicted gain beats the move's cost (peer/scheduler/online.py).
 Every decision is logged (one `online re-plan` line) and exported as metrics for the monitor.
+
+It decides only on views that have settled: unchanged for a heartbeat (a renewal of the views) since
+the last change. Peers see a change at different moments: a probe renews one peer's links before
+another's, and a mover's new claim reaches its path's holders at once (HELLO) but the measurement
+that moved it only at their next heartbeat. A peer that re-planned on such a half-renewed view could
+pick another mover than the plan on the full view, and both would move (the live re-plan test saw
+three movers where the plan has two). The price is one heartbeat of reaction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 from peer.scheduler import OnlineDecision
 from peer.seeding import stable_seed
@@ -22,11 +30,22 @@ logger = logging.getLogger(__name__)
 class OnlineReplanner:
     """Re-plans when the swarm's inputs to the plan changed, and says whether this peer moves."""
 
-    def __init__(self, membership: Membership, metrics=None):
-        """`metrics`: the peer's PeerMetrics (None: decisions go to the log only)."""
+    def __init__(
+        self, membership: Membership, metrics=None, settle_seconds: float | None = None, clock=time.monotonic
+    ):
+        """`metrics`: the peer's PeerMetrics (None: decisions go to the log only). `settle_seconds`:
+        how long the views must stay unchanged before a decision (None: the peer's heartbeat).
+        `clock`: seconds, monotonic."""
         self.membership = membership
+        self.clock = clock
         self.metrics = metrics
+        self.settle_seconds = (
+            membership.config.heartbeat_seconds if settle_seconds is None else settle_seconds
+        )
         self._inputs: tuple[frozenset[str], str, str] | None = None
+        #: the first change not decided on yet, and when the views last changed (monotonic seconds)
+        self._pending: str | None = None
+        self._changed_at = 0.0
         #: the last decision (None before the first)
         self.last: OnlineDecision | None = None
         self._retry = False
@@ -66,10 +85,16 @@ class OnlineReplanner:
             return None
         claims = dict(m.claims)
         claims[m.peer_id] = m.claim_record()  # our claim as it is now, not as last published
-        trigger = self._changed(claims, m.snapshot) or ("retry" if self._retry else None)
-        if trigger is None:
+        now = self.clock()
+        change = self._changed(claims, m.snapshot)
+        if change is not None:
+            self._pending, self._changed_at = self._pending or change, now
+        if self._pending is None and not self._retry:
             return None
-        self._retry = False
+        if self._pending is not None and now - self._changed_at < self.settle_seconds:
+            return None  # the views are still changing: decide on them once they have settled
+        trigger = self._pending or "retry"
+        self._pending, self._retry = None, False
         d = online_move(m.manifest, m.snapshot, claims, m.peer_id, stable_seed(m.run_id))
         self.last = d
         logger.info(
