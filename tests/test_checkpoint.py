@@ -244,11 +244,11 @@ def test_rounds_sent_are_on_disk_for_the_next_life_and_another_runs_or_a_broken_
     life = SentRounds(tmp_path, "run-a")
     life.record("l0m0", 1, 7)
     life.record("l0m0", 1, 5)  # an older round never lowers the record
-    assert not life.sent_before_start("l0m0", 1, 7)  # this life's own rounds are its own to rerun
+    assert life.sent_already("l0m0", 1, 7) and not life.sent_already("l0m0", 1, 8)  # this life's count too
     nxt = SentRounds(tmp_path, "run-a")
-    assert nxt.sent_before_start("l0m0", 1, 7) and nxt.sent_before_start("l0m0", 1, 3)
-    assert not nxt.sent_before_start("l0m0", 1, 8) and not nxt.sent_before_start("l0m0", 0, 0)
-    assert not SentRounds(tmp_path, "run-b").sent_before_start("l0m0", 1, 7)
+    assert nxt.sent_already("l0m0", 1, 7) and nxt.sent_already("l0m0", 1, 3)
+    assert not nxt.sent_already("l0m0", 1, 8) and not nxt.sent_already("l0m0", 0, 0)
+    assert not SentRounds(tmp_path, "run-b").sent_already("l0m0", 1, 7)
     (tmp_path / FILE_NAME).write_text('{"run": "run-a", "sent": {"l0m0/1": "seven"}}')
     with pytest.raises(ConfigError, match=FILE_NAME):
         SentRounds(tmp_path, "run-a")

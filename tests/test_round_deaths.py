@@ -107,3 +107,29 @@ def test_a_restarted_member_sits_a_round_it_sent_before_out_once_and_then_goes_o
 
 async def _reports(member) -> list[str]:
     return list(member.service.inbox.slot((MODULE, 0, 0)).reports.reports)
+
+
+def test_a_member_whose_state_was_set_back_to_a_round_it_sent_does_not_sign_that_round_again(dht_factory):
+    """It sent its part and report for round 0 while the other holder was not in the round yet, and
+    went on alone; then a download set its state back to round 0 (the holders were still in it).
+    Running round 0 again would sign a second, different report, and the other holder, which holds
+    both, would leave it out and ban it for ten minutes as an equivocator (a churn run banned honest
+    peers four times so). It sits the round out instead: one report of it, and no ban."""
+    deltas = deltas_for(2, seed=15)
+    with sync_group(dht_factory, 2, NUMEL, averaging_timeout=2.0, report_timeout=1.0) as members:
+        a, b = members
+        ids = [m.peer_id for m in members]
+        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, ids, "0" * 64).result(timeout=30)
+        assert b.service.call(_delivered(b, a.peer_id)), first.outcome  # b holds a's first part
+        # a's state set back to round 0: a new Δ for it, while b runs round 0 at last
+        again = a.runner.start((MODULE, 0, 0), 2 * deltas[0], 1.0, ids, "1" * 64)
+        other = b.runner.start((MODULE, 0, 0), deltas[1], 1.0, ids, "0" * 64).result(timeout=30)
+        again = again.result(timeout=30)
+        reports = b.service.call(_equivocators(b))
+        banned = b.service.inbox.banned(a.peer_id)
+    assert again.outcome == "behind" and again.detail == "sent already", (again.outcome, again.detail)
+    assert not reports and not banned, (reports, other.dropped)
+
+
+async def _equivocators(member) -> list[str]:
+    return list(member.service.inbox.slot((MODULE, 0, 0)).reports.equivocators)

@@ -187,7 +187,7 @@ def _states(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 @pytest.mark.timeout(90)
-def test_no_yes_on_a_tie_or_on_unknowns_and_a_sole_sender_never_confirms_itself(dht_factory):
+def test_no_yes_on_a_tie_or_on_unknowns_and_a_sole_sender_or_the_joiner_never_confirms_itself(dht_factory):
     honest, other = _states(3)
     services = []
     try:
@@ -213,6 +213,13 @@ def test_no_yes_on_a_tie_or_on_unknowns_and_a_sole_sender_never_confirms_itself(
             timeout=60
         )
         assert alone is not None and not alone.confirmed
+        # lists that name the joiner itself (a round's members ahead can): it is neither a donor nor
+        # a confirmer of its own download, so the donor is still the only voice
+        me = joiner.peer_id
+        named = joiner.submit(
+            fetch_confirmed(joiner, MODULE, NUMELS, [me, yes.peer_id], 3.0, 1.0, holders=[me])
+        ).result(timeout=60)
+        assert named is not None and named.donors == [yes.peer_id] and not named.confirmed
     finally:
         for s in services:
             s.shutdown()

@@ -112,7 +112,8 @@ class RoundRunner:
         #: the rounds we sent a part for, this life and (kept on disk) earlier ones
         self.sent = sent if sent is not None else SentRounds(None)
         self.me = service.peer_id
-        #: rounds sent before a restart that we sat out once in this life (a second time goes alone)
+        #: rounds sent already (before a restart, or before a download set our state back to them) that
+        #: we sat out once in this life (a second time goes alone)
         self._sat_out: set[Key] = set()
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
@@ -163,7 +164,7 @@ class RoundRunner:
         if not others:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
-        if self.sent.sent_before_start(*key):
+        if self.sent.sent_already(*key):
             if key in self._sat_out:
                 return self._skip(key, own)
             self._sat_out.add(key)
@@ -177,8 +178,6 @@ class RoundRunner:
         mine = Delivery(
             self.me, weight, digest, self.codec.decode(payload, own.numel()), len(payload), token, payload
         )
-        # a round we ran before a download set our state back to it: this run's part replaces that one's
-        inbox.slot(key).deliveries.pop(self.me, None)
         inbox.add_delivery(key, mine)
         failed: dict[str, str] = {}
         took: set[str] = set()  # members that accepted our Δ: they are at this round too
@@ -203,24 +202,23 @@ class RoundRunner:
         sending nothing); the next round's digests reconcile the copies."""
         self.service.inbox.slot(key).decided_with = frozenset([self.me])
         logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
-        detail = "sent before a restart; nobody got past it"
+        detail = "sent already; nobody got past it"
         return RoundResult("alone", own, 1, detail=detail, members=[self.me])
 
     async def _sit_out(self, key: Key, own: torch.Tensor, others: list[str]) -> RoundResult:
-        """A round an earlier life of this peer sent its part and report for (it was killed mid-round):
-        another report would be an equivocation. Sends nothing, waits until the others are past the
-        round (a part of theirs for the next one came) or could be (the round's deadlines passed),
-        and says we are behind them: their state is fetched."""
+        """A round we sent our part and report for already: in an earlier life (killed mid-round), or in
+        this one before a download set our state back to it. Another report would be an equivocation.
+        Sends nothing, waits until the others are past the round (a part of theirs for the next one
+        came) or could be (the round's deadlines passed), and says we are behind them: their state is
+        fetched."""
         inbox = self.service.inbox
         later = (key[0], key[1], key[2] + 1)
         deadline = asyncio.get_running_loop().time() + (
             self.settings.averaging_timeout_seconds + self.settings.report_timeout_seconds
         )
         await inbox.wait(later, lambda slot: any(s != self.me for s in slot.deliveries), deadline)
-        logger.info(f"{key}: we sent this round's part before a restart; taking the holders' state instead")
-        return RoundResult(
-            "behind", own, 1, detail="sent before a restart", ahead=list(others), members=[self.me]
-        )
+        logger.info(f"{key}: we sent this round's part already; taking the holders' state instead")
+        return RoundResult("behind", own, 1, detail="sent already", ahead=list(others), members=[self.me])
 
     async def _gather(self, key, own, weight, payload, token, others, failed, took) -> list[asyncio.Task]:
         """Sends our Δ to every other member and waits for theirs (or their absence)."""

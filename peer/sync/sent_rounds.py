@@ -7,8 +7,9 @@ report while the others still hold the first: an honest volunteer banned for ten
 churn runs saw it seven times in one run). So before its part leaves, the round is written here, in
 the checkpoint directory; after a restart, a round that a previous life already sent for is sat out
 (`RoundRunner`): nothing is sent or signed again, and the state is taken from the holders once they
-are past it. Rounds run again within one life (a download set the state back) are not affected:
-their earlier part and report are this process's own and are replaced in its inbox.
+are past it. The same holds within one life: a download that sets the state back to a round we sent
+already (the holders were still in it when we went on alone) must not make us sign that round again:
+the others still hold our first report (a churn run saw four equivocation bans of that kind).
 
 One small JSON file, `{"run": <run id>, "sent": {"<module>/<fragment>": highest round sent}}`,
 replaced atomically; another run's file is ignored (and replaced at the first round).
@@ -29,14 +30,13 @@ MAX_ENTRIES = 100_000
 
 
 class SentRounds:
-    """The highest round sent per module fragment: this life's, and what earlier lives left on disk."""
+    """The highest round sent per module fragment: this life's and what earlier lives left on disk."""
 
     def __init__(self, directory: str | os.PathLike | None, run_id: str = ""):
         self.path = Path(directory) / FILE_NAME if directory is not None else None
         self.run_id = run_id
+        #: this life's rounds and what earlier lives left on disk: none of them is sent again
         self._sent: dict[str, int] = self._read() if self.path is not None else {}
-        #: what lives before this one sent: their rounds are never sent again
-        self.before_start: dict[str, int] = dict(self._sent)
         self._lock = threading.Lock()
 
     def _read(self) -> dict[str, int]:
@@ -62,9 +62,11 @@ class SentRounds:
     def _name(module: str, fragment: int) -> str:
         return f"{module}/{fragment}"
 
-    def sent_before_start(self, module: str, fragment: int, round_index: int) -> bool:
-        """Whether a previous life of this peer already sent its part for this round (or a later one)."""
-        return self.before_start.get(self._name(module, fragment), -1) >= round_index
+    def sent_already(self, module: str, fragment: int, round_index: int) -> bool:
+        """Whether this peer, in this life or an earlier one, already sent its part for this round (or
+        a later one): a part and report for it would be a second one."""
+        with self._lock:
+            return self._sent.get(self._name(module, fragment), -1) >= round_index
 
     def record(self, module: str, fragment: int, round_index: int) -> None:
         """Notes that our part for this round is about to leave; on disk before this returns."""

@@ -152,7 +152,10 @@ async def fetch_confirmed(
     the others (or by `holders`, when the holders who may confirm are more than the donors). A sole
     voice with standing gives an unconfirmed state (`confirmed` False)."""
     standing = service.inbox.standing
-    trusted = standing.trusted(sorted(set(donors) | set(holders or [])))
+    # never ourselves: a round's lists of members ahead can name our own key (a report of ours from
+    # before a download), and a peer neither downloads from nor confirms its own state
+    donors = [d for d in donors if d != service.peer_id]
+    trusted = standing.trusted(sorted((set(donors) | set(holders or [])) - {service.peer_id}))
     if not trusted:  # nobody here could confirm a state, nor be its only voice
         logger.warning(f"{module}: none of its {len(donors)} donor(s) has standing in the run; not fetching")
         return None
