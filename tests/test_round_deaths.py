@@ -133,3 +133,41 @@ def test_a_member_whose_state_was_set_back_to_a_round_it_sent_does_not_sign_that
 
 async def _equivocators(member) -> list[str]:
     return list(member.service.inbox.slot((MODULE, 0, 0)).reports.equivocators)
+
+
+def test_a_member_sitting_a_round_out_says_so_and_the_others_stop_waiting_for_it_at_once(
+    dht_factory, tmp_path
+):
+    """A restarted member whose previous life sent round 0 sits it out; it is alive and answers the
+    others' probes, so without a word from it they would wait for its part up to the averaging
+    timeout (30 s here; a churn run lost 35 s per restart so). It says SIT_OUT: the other decides
+    round 0 without it at once, and its next round's part ends the sitter's wait."""
+    from peer.sync.rounds import SAT_OUT
+    from peer.sync.sent_rounds import SentRounds
+    from tests.sync_members import RUN_ID
+
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)  # its previous life
+    deltas = deltas_for(2, seed=16)
+    with sync_group(
+        dht_factory,
+        2,
+        NUMEL,
+        averaging_timeout=30.0,
+        report_timeout=5.0,
+        sent={0: SentRounds(tmp_path, RUN_ID)},
+    ) as members:
+        restarted, other = members
+        ids = [m.peer_id for m in members]
+        started = time.monotonic()
+        sitting = restarted.runner.start((MODULE, 0, 0), deltas[0], 1.0, ids, "0" * 64)
+        decided = other.runner.start((MODULE, 0, 0), deltas[1], 1.0, ids, "0" * 64).result(timeout=60)
+        decided_after = time.monotonic() - started
+        other.runner.start((MODULE, 0, 1), deltas[1], 1.0, ids, "0" * 64)  # the other goes on
+        sat = sitting.result(timeout=60)
+        sat_after = time.monotonic() - started
+    assert decided.outcome == "alone" and decided.dropped == {restarted.peer_id: SAT_OUT}, decided.dropped
+    assert decided_after < 10.0, decided_after  # not the 30 s averaging timeout
+    assert sat.outcome == "behind" and sat.ahead == [other.peer_id] and sat_after < 15.0, (
+        sat.outcome,
+        sat_after,
+    )

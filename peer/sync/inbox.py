@@ -90,6 +90,8 @@ class _Slot:
     #: anyone else comes too late to be in it and is refused as stale, so its sender (a holder that
     #: just joined, whom we did not see yet) stops waiting for ours and takes our state
     decided_with: frozenset[str] | None = None
+    #: members that said they send nothing more for this round (they sent it already): not waited for
+    sat_out: set[str] = field(default_factory=set)
 
 
 class Inbox:
@@ -187,6 +189,12 @@ class Inbox:
         for key, slot in self._slots.items():
             if key[0] in modules:
                 slot.changed.set()
+
+    def note_sat_out(self, sender: str, key: Key) -> None:
+        """`sender` sends no part or report for round `key` (checked: a holder, within our window)."""
+        slot = self.slot(key)
+        slot.sat_out.add(sender)
+        slot.changed.set()
 
     def note_hello(self, sender: str, modules: list[str]) -> None:
         """`sender`'s claim on `modules` was read after it said HELLO: it holds them again."""

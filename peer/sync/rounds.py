@@ -44,6 +44,7 @@ from peer.sync.probe import probe_silent
 from peer.sync.reports import sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
+from peer.sync.sitting_out import SittingOut
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ logger = logging.getLogger(__name__)
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
-GONE = ("unreachable", "ahead", LEFT)
+#: a member that said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already)
+SAT_OUT = "sat out (it sent this round already)"
+GONE = ("unreachable", "ahead", LEFT, SAT_OUT)
 #: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
 FAR_BEHIND = "refused (ahead"
 
@@ -112,9 +115,8 @@ class RoundRunner:
         #: the rounds we sent a part for, this life and (kept on disk) earlier ones
         self.sent = sent if sent is not None else SentRounds(None)
         self.me = service.peer_id
-        #: rounds sent already (before a restart, or before a download set our state back to them) that
-        #: we sat out once in this life (a second time goes alone)
-        self._sat_out: set[Key] = set()
+        wait = settings.averaging_timeout_seconds + settings.report_timeout_seconds
+        self.sitting_out = SittingOut(service, self.sent, wait)
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
@@ -164,11 +166,12 @@ class RoundRunner:
         if not others:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
-        if self.sent.sent_already(*key):
-            if key in self._sat_out:
-                return self._skip(key, own)
-            self._sat_out.add(key)
-            return await self._sit_out(key, own, others)
+        if self.sitting_out.sent_already(key):  # never a second report: peer/sync/sitting_out.py
+            if await self.sitting_out.sit(key, others) == "behind":
+                return RoundResult("behind", own, 1, detail="sent already", ahead=others, members=[self.me])
+            inbox.slot(key).decided_with = frozenset([self.me])
+            detail = "sent already; nobody got past it"
+            return RoundResult("alone", own, 1, detail=detail, members=[self.me])
         token = inbox.standing.own_token
         if payload is None:
             payload = await loop.run_in_executor(None, self.codec.encode, own)
@@ -195,31 +198,6 @@ class RoundRunner:
         slot.decided_with = frozenset([*others, self.me])
         return result
 
-    def _skip(self, key: Key, own: torch.Tensor) -> RoundResult:
-        """A round we sat out once already in this life, and the holders' state we took then is still
-        at it: nobody got past it (every holder may have sent it before a restart, a churn run kills
-        several at once), and sitting it out again would wait for good. We go on alone (our own Δ,
-        sending nothing); the next round's digests reconcile the copies."""
-        self.service.inbox.slot(key).decided_with = frozenset([self.me])
-        logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
-        detail = "sent already; nobody got past it"
-        return RoundResult("alone", own, 1, detail=detail, members=[self.me])
-
-    async def _sit_out(self, key: Key, own: torch.Tensor, others: list[str]) -> RoundResult:
-        """A round we sent our part and report for already: in an earlier life (killed mid-round), or in
-        this one before a download set our state back to it. Another report would be an equivocation.
-        Sends nothing, waits until the others are past the round (a part of theirs for the next one
-        came) or could be (the round's deadlines passed), and says we are behind them: their state is
-        fetched."""
-        inbox = self.service.inbox
-        later = (key[0], key[1], key[2] + 1)
-        deadline = asyncio.get_running_loop().time() + (
-            self.settings.averaging_timeout_seconds + self.settings.report_timeout_seconds
-        )
-        await inbox.wait(later, lambda slot: any(s != self.me for s in slot.deliveries), deadline)
-        logger.info(f"{key}: we sent this round's part already; taking the holders' state instead")
-        return RoundResult("behind", own, 1, detail="sent already", ahead=list(others), members=[self.me])
-
     async def _gather(self, key, own, weight, payload, token, others, failed, took) -> list[asyncio.Task]:
         """Sends our Δ to every other member and waits for theirs (or their absence)."""
         loop = asyncio.get_running_loop()
@@ -245,6 +223,8 @@ class RoundRunner:
                 # shutdown, until the averaging timeout
                 if m not in slot.deliveries and m not in failed and inbox.gone(m, key[0]):
                     failed[m] = LEFT
+                elif m not in slot.deliveries and m not in failed and m in slot.sat_out:
+                    failed[m] = SAT_OUT
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
             return all(
@@ -283,7 +263,12 @@ class RoundRunner:
         dead: dict[str, str] = {}  # a member killed after its part came: its host refuses our probe
 
         def silent() -> list[str]:
-            return [r for r in reporters if r not in slot.reports.reports and r not in dead]
+            # a member that sat the round out sent its part before (a restart ago) and reports no more
+            return [
+                r
+                for r in reporters
+                if r not in slot.reports.reports and r not in dead and r not in slot.sat_out
+            ]
 
         probe = asyncio.create_task(probe_silent(service, key, silent, dead, deadline))
         try:
@@ -438,6 +423,8 @@ class RoundRunner:
                 dropped[m] = "agreed, but its part could not be fetched"
             elif m in slot.deliveries or any(m in r.received for r in slot.reports.reports.values()):
                 dropped[m] = "disputed (no majority of voters received the same)"
+            elif m in slot.sat_out:
+                dropped[m] = SAT_OUT
             else:
                 gone = self.service.inbox.gone(m, key[0])
                 dropped[m] = LEFT if gone else failed.get(m, "missing")

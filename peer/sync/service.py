@@ -99,7 +99,7 @@ class SyncService:
 
     async def _dispatch(self, sender: str, reader, writer) -> None:
         kinds = {
-            Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, Kind.BYE,
+            Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, Kind.BYE, Kind.SIT_OUT,
             *self.extra_handlers,
         }  # fmt: skip
         kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
@@ -120,6 +120,10 @@ class SyncService:
                 bye = wire.parse(wire.Bye, body)
                 self._check_run(bye.run)
                 self.inbox.note_bye(sender, bye.modules)
+            elif kind == Kind.SIT_OUT:
+                sit = wire.parse(wire.SitOut, body)
+                self._check_run(sit.run)
+                self.inbox.note_sat_out(sender, self.inbox.check_key(sender, *sit.key.as_tuple()))
             elif kind == Kind.STANDING:
                 query = wire.parse(wire.StandingQuery, body)
                 self._check_run(query.run)

@@ -49,6 +49,7 @@ class Kind(enum.IntEnum):
     STANDING = 14  # StandingQuery; answered with an ACK whose reason is the count, as decimal digits
     BYE = 15  # Bye: "I leave these modules now (moving or stopping): do not wait for me"; an ACK
     HELLO = 16  # Hello: "I hold these modules now: read my claim"; an ACK once the claim is seen
+    SIT_OUT = 17  # SitOut: "I send nothing more for this round (I sent it already)": an ACK
 
 
 class WireError(ValueError):
@@ -165,6 +166,14 @@ class Hello(Header):
     the receiver counts the sender's claim as read from the DHT, not this message."""
 
     modules: list[str] = Field(max_length=64)
+
+
+class SitOut(Header):
+    """The sender sends no part and no report for round `key` (it sent them already: before a restart,
+    or before a download set its state back to that round): do not wait for them. What it sent
+    before still counts as the round's voters agree. About itself only, so its word is enough."""
+
+    key: RoundKey
 
 
 class StandingQuery(Header):

@@ -1,0 +1,81 @@
+"""Rounds this peer sent its part and report for already (`SittingOut`): it never signs a second
+report for one (the others would catch it as an equivocator and ban it for ten minutes).
+
+A round comes back after a restart (the previous life sent it, then was killed mid-round) or after a
+download set the state back to it (the holders were still in it when we went on alone). The first
+time, the peer sits it out: it tells the other members (`Kind.SIT_OUT`) that it sends nothing more
+for the round, so they stop waiting for its part and report at once (it answers their probes: it is
+silent, not gone), and it waits until they are past the round, then takes their state. If that state
+is still at the round (nobody got past it: every member had sent it before being killed) it goes on
+alone the second time, sending nothing; the next round's digests reconcile the copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from peer.sync import wire
+from peer.sync.inbox import Key
+from peer.sync.sent_rounds import SentRounds
+from peer.sync.service import SyncService
+from peer.sync.wire import Kind
+
+logger = logging.getLogger(__name__)
+
+
+class SittingOut:
+    """Decides what a member does at a round it sent already, on the sync service's loop."""
+
+    def __init__(self, service: SyncService, sent: SentRounds, wait_seconds: float):
+        """`wait_seconds`: how long a sit-out waits at most for the others to get past the round (the
+        round's averaging plus report timeouts)."""
+        self.service = service
+        self.sent = sent
+        self.wait_seconds = wait_seconds
+        self.me = service.peer_id
+        #: rounds we sat out once in this life: the second time goes alone
+        self._sat_out: set[Key] = set()
+        self._tasks: set[asyncio.Task] = set()  # notices still being delivered
+
+    def sent_already(self, key: Key) -> bool:
+        return self.sent.sent_already(*key)
+
+    async def sit(self, key: Key, others: list[str]) -> str:
+        """ "behind" (we waited until the others were past the round: take their state) or "alone"
+        (we sat it out once already and nobody got past it: go on alone, sending nothing)."""
+        self._notify(key, others)
+        if key in self._sat_out:
+            logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
+            return "alone"
+        self._sat_out.add(key)
+        inbox = self.service.inbox
+        later = (key[0], key[1], key[2] + 1)
+        sat = inbox.slot(key).sat_out
+
+        def past_or_all_sitting(slot) -> bool:
+            # a part of theirs for the next round came, or every other member sits this one out too
+            # (all were killed around it): nobody will get past it
+            return any(s != self.me for s in slot.deliveries) or all(o in sat for o in others)
+
+        await inbox.wait(later, past_or_all_sitting, asyncio.get_running_loop().time() + self.wait_seconds)
+        logger.info(f"{key}: we sent this round's part already; taking the holders' state instead")
+        return "behind"
+
+    def _notify(self, key: Key, others: list[str]) -> None:
+        """Tells each other member, in the background, that we send nothing more for this round."""
+        sit = wire.SitOut(
+            run=self.service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
+        )
+        frames = [wire.pack_header(Kind.SIT_OUT, sit)]
+
+        async def tell(member: str) -> None:
+            try:
+                await self.service.request(member, frames, self.wait_seconds)
+            except Exception as e:  # gone, or past the round: it does not wait for us either way
+                logger.debug(f"{key}: {member} did not take our sit-out notice: {type(e).__name__}: {e}")
+
+        for member in others:
+            task = asyncio.create_task(tell(member))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
