@@ -1,10 +1,13 @@
 """Processes forked from the prefork template behave like started ones: their own exit status, log,
 folder and environment; they leave when done (thread pools and all) and signals reach them; and a
-setting only an exec can apply (LD_PRELOAD) gets a fresh process."""
+setting only an exec can apply (LD_PRELOAD) gets a fresh process; and a fork killed while it holds
+one of hivemind's cross-process locks does not freeze the other forks."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 
@@ -58,3 +61,34 @@ def test_a_process_that_needs_ld_preload_is_started_not_forked(tmp_path):
         proc = swarm.spawn("p", ["--help"], env={"LD_PRELOAD": ""})
         assert not isinstance(proc, ForkedProcess)
         swarm.wait("p", 50)
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_killed_while_holding_hiveminds_lock_does_not_block_the_other_forks():
+    """hivemind makes its cross-process locks at import, so forks of a process that imported it (the
+    template) would share them: a peer SIGKILLed while its DHT process held MPFuture's update lock
+    froze every other peer of a churn run at its next DHT call. Each fork takes its own, as
+    `_child` does first thing; here two forks of this process (which imported hivemind too)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    from peer.cli.prefork_template import forget_inherited_locks
+
+    ready_r, ready_w = os.pipe()
+    holder = os.fork()
+    if holder == 0:
+        forget_inherited_locks()
+        MPFuture._update_lock.acquire()
+        os.write(ready_w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    assert os.read(ready_r, 1) == b"x"
+    os.kill(holder, signal.SIGKILL)  # dies holding the lock
+    os.waitpid(holder, 0)
+    other = os.fork()
+    if other == 0:
+        forget_inherited_locks()
+        os._exit(0 if MPFuture._update_lock.acquire(timeout=5) else 1)
+    _, status = os.waitpid(other, 0)
+    os.close(ready_r)
+    os.close(ready_w)
+    assert os.waitstatus_to_exitcode(status) == 0, "the other fork waited on a lock a dead fork held"

@@ -7,7 +7,9 @@ dynamo, which the first optimizer pulls in — about 6 of the 9 CPU-seconds a fr
 (the demo, the tests) starts many peers, so it can fork each one from a template that did those
 imports once (`python -m peer.cli.prefork_template`, one per parent process, started on first use).
 
-The template is single-threaded and runs no torch operation, so forking it is safe. It reads one
+The template is single-threaded and runs no torch operation, so forking it is safe, but for the
+cross-process locks hivemind makes at import: each fork makes its own (`forget_inherited_locks`), or
+one peer killed while holding one would freeze all the others. The template reads one
 JSON request per line on stdin (argv, environment, working folder, log file), forks, answers the
 child's pid, and reports each child's exit status when it reaps it. The child is an ordinary
 process: its own session (its process group holds its p2p daemon), the log as stdout and stderr,

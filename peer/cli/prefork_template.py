@@ -17,10 +17,22 @@ import threading
 PRELOAD = ["peer.cli.main", "peer.cli.swarm_commands", "peer.training.peer", "torch._dynamo"]
 
 
+def forget_inherited_locks() -> None:
+    """Gives this fork its own copies of the cross-process locks hivemind makes at import. The
+    template imported hivemind, so without this every peer of a local swarm would share them; a peer
+    SIGKILLed while its DHT process held one (MPFuture's update lock, taken for every DHT call's
+    result) froze every other peer and the bootstrap node at their next DHT call, for good: the goodput
+    churn runs that did not finish in 600 s stood there. No MPFuture exists yet in a fresh fork."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+
+
 def _child(request: dict) -> None:
     """In the fork: becomes the requested pathswarm process; never returns."""
     code = 1
     try:
+        forget_inherited_locks()
         os.setsid()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)  # made empty by the parent
