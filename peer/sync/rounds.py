@@ -45,6 +45,7 @@ from peer.sync.reports import sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.sitting_out import SittingOut
+from peer.sync.stragglers import StragglerBound
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class RoundRunner:
         self.me = service.peer_id
         wait = settings.averaging_timeout_seconds + settings.report_timeout_seconds
         self.sitting_out = SittingOut(service, self.sent, wait)
+        self.stragglers = StragglerBound()
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
@@ -208,7 +210,9 @@ class RoundRunner:
             admission=token,
         )  # fmt: skip
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
-        deadline = loop.time() + self.settings.averaging_timeout_seconds
+        started = loop.time()
+        deadline = started + self.settings.averaging_timeout_seconds
+        bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
         def gathered(slot) -> bool:
@@ -227,10 +231,15 @@ class RoundRunner:
                     failed[m] = SAT_OUT
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
-            return all(
-                m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE)
+            waiting = [
+                m
                 for m in others
-            )
+                if not (m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE))
+            ]
+            late = bound is not None and loop.time() - started > bound and len(slot.deliveries) > 1
+            for m in waiting if late else []:
+                failed.setdefault(m, StragglerBound.why(bound))
+            return not waiting or late
 
         slot = inbox.slot(key)
 
@@ -243,6 +252,8 @@ class RoundRunner:
             await inbox.wait(key, gathered, deadline)
         finally:
             probe.cancel()
+        if all(m in slot.deliveries for m in others):
+            self.stragglers.record(loop.time() - started)
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:

@@ -1,0 +1,63 @@
+"""A member that answers but does not send its part is waited for as long as the recent rounds
+measured (peer/sync/stragglers.py), not the whole averaging timeout; the others' copies stay equal."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from peer.sync.stragglers import MIN_ROUNDS, MIN_SECONDS
+from tests.sync_members import MODULE, sync_group
+from tests.test_rounds import NUMEL, deltas_for
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.mark.timeout(120)
+def test_a_live_member_that_sends_nothing_is_waited_for_as_long_as_recent_rounds_took_not_the_timeout(
+    dht_factory,
+):
+    """After a few full rounds, one member stays silent in the next (alive: it answers probes, it is
+    stuck elsewhere, as a restarted churn peer was for three 30 s timeouts in a row). The others leave
+    it out as late after MIN_SECONDS (the rounds here take well under a second), far below the 40 s
+    timeout, and end with the same bits: the average of their two parts."""
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
+        ids = [m.peer_id for m in members]
+        for r in range(MIN_ROUNDS):  # full rounds: the pace the bound is measured from
+            for m in members:  # what the outer loop does as its rounds go by
+                m.service.inbox.set_current(MODULE, 0, r)
+            deltas = deltas_for(3, seed=20 + r)
+            pairs = zip(members, deltas, strict=True)
+            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
+            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        for m in members:
+            m.service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
+        deltas = deltas_for(3, seed=30)
+        started = time.monotonic()
+        pairs = zip(members[:2], deltas, strict=False)  # the third stays silent
+        futures = [m.runner.start((MODULE, 0, MIN_ROUNDS), d, 1.0, ids, "0" * 64) for m, d in pairs]
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
+    assert all(r.dropped[ids[2]].startswith("late") for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, (deltas[0] + deltas[1]) / 2, atol=1e-6)
+    assert MIN_SECONDS <= seconds < MIN_SECONDS + 8.0, seconds  # not the 40 s timeout
+
+
+@pytest.mark.timeout(120)
+def test_no_member_is_cut_short_before_the_recent_rounds_were_measured(dht_factory):
+    """A new group knows no pace yet: a member that is 8 s late to the very first round (a joiner
+    still loading) is waited for, and its part is in the average."""
+    deltas = deltas_for(3, seed=31)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
+        ids = [m.peer_id for m in members]
+        pairs = zip(members[:2], deltas, strict=False)
+        futures = [m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64) for m, d in pairs]
+        time.sleep(MIN_SECONDS + 3.0)
+        late = members[2].runner.start((MODULE, 0, 0), deltas[2], 1.0, ids, "0" * 64)
+        results = [f.result(timeout=60) for f in [*futures, late]]
+    assert [r.outcome for r in results] == ["averaged"] * 3, [r.detail for r in results]
+    assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-6)
