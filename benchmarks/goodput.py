@@ -10,14 +10,18 @@ tokens each had trained at each round's end, over the window where all of them w
 `monitor_tokens_per_second` is the mean of what the monitor's status showed over that same window.
 `max_round_gap_seconds`: the longest time between two consecutive rounds of one peer.
 
-`churn`: 4 peers, one per path; every `--kill_every_seconds` a random peer (seeded) is SIGKILLed (every
-second time, two at once) and restarted `--restart_after_seconds` later with `--resume`. Against the
-same run without kills, run before and after it: `tokens_ratio` (tokens in the peers' final
-checkpoints per wall-clock second, launch to last exit: what a kill loses, restarts and the steps
-since the last checkpoint, counts against it), `eval_loss_ratio` (each peer's global copy of its
-final path on held-out documents, averaged), `rounds_split` (a member found after a round that its
-copy differs from the group's, by the digests the next round's reports carry, and repaired or merged
-it) and `modules_reset` (a module started again from initial weights). Writes DIR/goodput.json,
+`churn`: 4 peers, one per path, training for `--churn_seconds` from launch (then every peer is sent
+SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer (seeded) is SIGKILLed
+(every second time, two at once) and restarted `--restart_after_seconds` later with `--resume`, until
+10 s before the end. Against the same window without kills, run before and after it: `tokens_ratio`
+(tokens in the peers' final checkpoints per second of the window: a kill's restart, the steps since
+the last checkpoint and every wait it causes count against it), `eval_loss_ratio` (each peer's
+global copy of its final path on held-out documents, averaged: what the same volunteer-seconds
+bought), `rounds_split` (a member found after a round that its copy differs from the group's, by the
+digests the next round's reports carry, and repaired or merged it) and `modules_reset` (a module
+started again from initial weights). A window, not a number of rounds per peer: with a fixed number
+of rounds each, the run lasted until the most-killed peer made up its downtime while the others
+had finished, and that tail, not the swarm's rate, set the ratio. Writes DIR/goodput.json,
 DIR/goodput.md and DIR/goodput.png.
 """
 
@@ -58,7 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=24, help="outer rounds of each rotation peer")
-    p.add_argument("--churn_rounds", type=int, default=40, help="outer rounds of each churn peer")
+    p.add_argument("--churn_seconds", type=float, default=120.0, help="how long each churn arm trains")
+    p.add_argument(
+        "--churn_rounds",
+        type=int,
+        default=100,
+        help="the churn run's learning-rate schedule, in outer rounds",
+    )
     p.add_argument("--inner_steps", type=int, default=50, help="H")
     p.add_argument("--overlap_steps", type=int, default=0, help="τ of the run (peers may raise their own)")
     p.add_argument("--d_model", type=int, default=64)
@@ -216,25 +226,23 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     rng = random.Random(args.seed)
     kills: list[dict] = []
     started = time.monotonic()
+    end = started + args.churn_seconds
     with LocalSwarm(folder / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
-        argv = {n: peer_argv(args, run, folder / n, args.churn_rounds, "--path", str(i))
+        # the window ends the run, not a number of rounds
+        argv = {n: peer_argv(args, run, folder / n, 100 * args.churn_rounds, "--path", str(i))
                 for i, n in enumerate(names)}  # fmt: skip
         for name, a in argv.items():  # a restarted peer does not wait: the others are training
             swarm.start_peer(name, [*a, "--wait_for_peers", str(len(names))])
         restarts = dict.fromkeys(names, 0)
         next_kill = time.monotonic() + args.kill_every_seconds
-        deadline = time.monotonic() + args.run_timeout_seconds
-        while any(swarm.alive(n) for n in names):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the run did not finish in {args.run_timeout_seconds} s: {folder}/logs")
+        while time.monotonic() < end:
             time.sleep(0.2)
-            if not kill or time.monotonic() < next_kill:
+            if exited := [n for n in names if not swarm.alive(n)]:
+                raise RuntimeError(f"{exited} exited before the window's end: {folder}/logs")
+            if not kill or time.monotonic() < next_kill or time.monotonic() > end - 10.0:
                 continue
-            living = [n for n in names if swarm.alive(n)]
-            if len(living) < len(names):  # a peer finished: the end is near, stop killing
-                continue
-            victims = rng.sample(living, 2 if len(kills) % 2 == 1 else 1)
+            victims = rng.sample(names, 2 if len(kills) % 2 == 1 else 1)
             for v in victims:
                 swarm.kill(v, signal.SIGKILL)
             kills.append(dict(peers=victims, at_seconds=round(time.monotonic() - started, 1)))
@@ -246,16 +254,18 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
                 swarm.log_path(v).rename(swarm.log_path(f"{v}.{restarts[v]}"))
                 swarm.start_peer(v, [*argv[v], "--resume"])
             next_kill = time.monotonic() + args.kill_every_seconds
-        codes = {n: swarm.procs[n].returncode for n in names}
-    wall = time.monotonic() - started
+        for n in names:  # the window is over: each checkpoints what it trained and leaves
+            swarm.kill(n, signal.SIGTERM)
+        codes = {n: swarm.wait(n, 120) for n in names}
     if any(codes.values()):
         raise RuntimeError(f"peers exited with {codes}: {folder}/logs")
     metas = {n: load_latest_checkpoint(folder / n)[1] for n in names}
     tokens = sum(int(m["tokens_total"]) for m in metas.values())
     return dict(
         tokens=tokens,
-        wall_seconds=round(wall, 1),
-        tokens_per_second=tokens / wall,
+        window_seconds=args.churn_seconds,
+        tokens_per_second=tokens / args.churn_seconds,
+        own_rounds={n: int(m.get("own_rounds", 0)) for n, m in metas.items()},
         eval_loss=eval_paths(args, manifest, folder, names),
         rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),

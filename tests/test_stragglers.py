@@ -48,6 +48,29 @@ def test_a_live_member_that_sends_nothing_is_waited_for_as_long_as_recent_rounds
 
 
 @pytest.mark.timeout(120)
+def test_a_member_whose_whole_group_is_catching_up_goes_on_alone_after_the_bound_not_the_timeout(dht_factory):
+    """No other part comes at all: the other members are alive but rounds behind, catching up (a churn
+    run's survivor waited 30 s a round, three rounds in a row, for peers restarted from older
+    checkpoints). It goes on alone after the bound; they find the round over and take its state."""
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
+        ids = [m.peer_id for m in members]
+        for r in range(MIN_ROUNDS):
+            for m in members:
+                m.service.inbox.set_current(MODULE, 0, r)
+            pairs = zip(members, deltas_for(3, seed=40 + r), strict=True)
+            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
+            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        members[0].service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
+        started = time.monotonic()
+        own = deltas_for(1, seed=50)[0]
+        result = members[0].runner.start((MODULE, 0, MIN_ROUNDS), own, 1.0, ids, "0" * 64).result(timeout=60)
+        seconds = time.monotonic() - started
+    assert result.outcome == "alone" and torch.equal(result.delta, own), result.detail
+    assert all(result.dropped[i].startswith("late") for i in ids[1:]), result.dropped
+    assert MIN_SECONDS <= seconds < MIN_SECONDS + 8.0, seconds
+
+
+@pytest.mark.timeout(120)
 def test_no_member_is_cut_short_before_the_recent_rounds_were_measured(dht_factory):
     """A new group knows no pace yet: a member that is 8 s late to the very first round (a joiner
     still loading) is waited for, and its part is in the average."""

@@ -236,7 +236,7 @@ class RoundRunner:
                 for m in others
                 if not (m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE))
             ]
-            late = bound is not None and loop.time() - started > bound and len(slot.deliveries) > 1
+            late = bound is not None and loop.time() - started > bound
             for m in waiting if late else []:
                 failed.setdefault(m, StragglerBound.why(bound))
             return not waiting or late
