@@ -277,3 +277,29 @@ def test_a_holder_serves_a_peer_asking_for_its_state_again_and_again_only_at_tha
     assert holder.bytes_sent - sent < 1000  # the refusal, not the state
     time.sleep(2.2)  # the debt paid at one state per second
     assert ask()[0] == ROUNDS
+
+
+def test_a_confirmer_past_the_rounds_without_that_state_says_so_and_is_not_asked_again(dht_factory):
+    """A holder that is past the state's rounds and never held it will never confirm it: it says so,
+    and the download is refused at once instead of after four tries over five seconds (a restarted
+    churn peer spent 5 s per refused state so, twice per restart). A holder behind those rounds may
+    still get there, so it is asked again."""
+    honest, other = _states(3)
+    services = []
+    try:
+        past, behind = _holder(dht_factory, other, rounds=[9]), _holder(dht_factory, other, rounds=[5])
+        joiner = _service(dht_factory)
+        services = [past, behind, joiner]
+        digests = digests_of(honest)
+
+        def ask(confirmer: SyncService) -> tuple[bool, float]:
+            started = time.monotonic()
+            coro = confirmed(joiner, MODULE, ROUNDS, digests, [confirmer.peer_id], 2.0)
+            return joiner.submit(coro).result(timeout=60), time.monotonic() - started
+
+        (said_past, fast), (said_behind, slow) = ask(past), ask(behind)
+    finally:
+        for s in services:
+            s.shutdown()
+    assert not said_past and not said_behind
+    assert fast < 1.5 <= 4.0 < slow, (fast, slow)

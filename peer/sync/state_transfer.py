@@ -181,8 +181,16 @@ def install_state_handlers(
         query = wire.parse(wire.Confirm, body)
         allowed = query.run == service.run and service.inbox.standing.takes_part(sender)
         known = history.lookup(query.module, query.fragment_rounds) if allowed else None
+        current = snapshot(query.module) if allowed and known is None else None
         if known is None:
-            ack = Ack(ok=False, reason="unknown")
+            # past those rounds without having held that state (it jumped over them, or forgot): it
+            # will never know it, and the asker need not ask again
+            past = (
+                current is not None
+                and len(current[0]) == len(query.fragment_rounds)
+                and all(c >= q for c, q in zip(current[0], query.fragment_rounds, strict=True))
+            )
+            ack = Ack(ok=False, reason=PAST if past else "unknown")
         else:
             ack = Ack(
                 ok=list(known) == query.digests, reason="" if list(known) == query.digests else "different"
@@ -256,19 +264,26 @@ def split_state(numbers: np.ndarray, numels: list[int]) -> list[torch.Tensor]:
     return [torch.from_numpy(numbers[a:b].copy()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+#: a confirmer's answer: it is past those rounds and never held that state (it cannot say, ever)
+PAST = "unknown, past those rounds"
+
+
 async def confirm_state(
     service: SyncService, peer: str, module: str, rounds: list[int], digests: list[str], timeout: float
-) -> bool | None:
-    """True if `peer` had this state, False if it had another at these rounds, None if it cannot say."""
+) -> bool | str | None:
+    """True if `peer` had this state, False if it had another at these rounds, None if it cannot say
+    yet (it is behind them), "never" if it will never say (past them without that state, or gone)."""
     query = wire.Confirm(run=service.run, module=module, fragment_rounds=rounds, digests=digests)
     try:
         ack = await service.request(peer, [wire.pack_header(Kind.CONFIRM, query)], timeout)
-    except Exception as e:
+    except Exception as e:  # gone, or too busy to answer within the timeout: not within this download
         logger.debug(f"confirmation from {peer} failed: {type(e).__name__}: {e}")
-        return None
+        return "never"
     if ack.ok:
         return True
-    return False if ack.reason == "different" else None
+    if ack.reason == "different":
+        return False
+    return "never" if ack.reason == PAST else None
 
 
 #: times a download waits for other holders to reach the state it is asked to confirm
@@ -285,7 +300,8 @@ async def confirmed(
 ) -> bool:
     """True once at least one confirmer says "this was my state" and more say so than say "my state
     at those rounds differs" ("unknown" counts neither way; a tie is not a yes); holders a little
-    behind are asked again a few times."""
+    behind are asked again a few times, and only they: once none of the confirmers could still come
+    to know the state (each is past those rounds without it, or gone), the answer is no at once."""
     for attempt in range(CONFIRM_ATTEMPTS):
         answers = await asyncio.gather(
             *(confirm_state(service, c, module, rounds, digests, timeout) for c in confirmers)
@@ -293,7 +309,7 @@ async def confirmed(
         yes, no = answers.count(True), answers.count(False)
         if yes >= 1 and yes > no:
             return True
-        if no > yes:
+        if no > yes or None not in answers:
             return False
         await asyncio.sleep(0.5 * (attempt + 1))
     return False
