@@ -84,31 +84,3 @@ def test_no_member_is_cut_short_before_the_recent_rounds_were_measured(dht_facto
         results = [f.result(timeout=60) for f in [*futures, late]]
     assert [r.outcome for r in results] == ["averaged"] * 3, [r.detail for r in results]
     assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-6)
-
-
-@pytest.mark.timeout(150)
-def test_rounds_with_a_dead_member_still_measure_the_pace(dht_factory):
-    """Under churn a round where every member's part came is rare: one is often dead (killed, its
-    claim not yet expired). Those rounds measure the pace too, so a silent member in the next round
-    is still waited for only as long as the bound, not the 40 s timeout."""
-    with sync_group(dht_factory, 4, NUMEL, averaging_timeout=40.0) as members:
-        ids = [m.peer_id for m in members]
-        dead = members.pop()
-        dead.service.shutdown()
-        dead.dht.shutdown()
-        for r in range(MIN_ROUNDS):
-            for m in members:
-                m.service.inbox.set_current(MODULE, 0, r)
-            pairs = zip(members, deltas_for(3, seed=60 + r), strict=True)
-            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
-            results = [f.result(timeout=60) for f in futures]
-            assert all(res.dropped[dead.peer_id].startswith("unreachable") for res in results)
-        for m in members:
-            m.service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
-        started = time.monotonic()
-        pairs = zip(members[:2], deltas_for(2, seed=70), strict=True)  # the third stays silent
-        futures = [m.runner.start((MODULE, 0, MIN_ROUNDS), d, 1.0, ids, "0" * 64) for m, d in pairs]
-        results = [f.result(timeout=60) for f in futures]
-        seconds = time.monotonic() - started
-    assert all(r.dropped[ids[2]].startswith("late") for r in results), results[0].dropped
-    assert seconds < MIN_SECONDS + 8.0, seconds

@@ -252,11 +252,7 @@ class RoundRunner:
             await inbox.wait(key, gathered, deadline)
         finally:
             probe.cancel()
-        # the pace: a round whose members all sent, or are gone (killed, left, sat out); not one cut
-        # short as late (a member slower every round would soon be cut every round)
-        if len(slot.deliveries) > 1 and all(
-            m in slot.deliveries or failed.get(m, "").startswith(GONE) for m in others
-        ):
+        if all(m in slot.deliveries for m in others):
             self.stragglers.record(loop.time() - started)
         return sends
 

@@ -3,15 +3,14 @@ rounds measured, with the averaging timeout only as the ceiling.
 
 A member that answers but does not send (it is catching up from rounds behind, sitting another
 module's round out, or its machine stalls) used to hold every other member of the group for the
-whole averaging timeout, round after round (a churn run's survivors waited 30 s three rounds in a
-row for restarted peers still catching up). The gather phase of the rounds where every member's part
-came (or the member was gone: killed, left) gives the group's own pace, the wait for a member that is
-regularly slower included; rounds cut short are not measured (a member slower every round would
-soon be cut every round). A missing part later than `MULTIPLE` times the median of those (and at
-least `MIN_SECONDS`) is left out as late. That is safe for the copies: a late part that reaches the
-other members still counts when a majority of the voters report it, and a member that lacks an
-agreed part fetches it; the late member itself finds the round over and takes the group's state.
-Until `MIN_ROUNDS` rounds were measured there is no bound but the timeout.
+whole averaging timeout, round after round (a churn run's survivors waited 30 s three rounds in a row
+for restarted peers still catching up). The gather phase of the rounds where every member's part came
+gives the group's own pace, the wait for a member that is regularly slower included; a missing part
+later than `MULTIPLE` times the median of those (and at least `MIN_SECONDS`) is left out as late.
+That is safe for the copies: a late part that reaches the other members still counts when a majority
+of the voters report it, and a member that lacks an agreed part fetches it; the late member itself
+finds the round over and takes the group's state. Until `MIN_ROUNDS` full rounds were measured there
+is no bound but the timeout.
 """
 
 from __future__ import annotations
