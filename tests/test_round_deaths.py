@@ -4,11 +4,13 @@ them (peer/sync/probe.py) and end the round without waiting for a timeout."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from tests.sync_members import MODULE, fp32_bytes, send_delta, sync_group
+from peer.sync.sent_rounds import SentRounds
+from tests.sync_members import MODULE, RUN_ID, fp32_bytes, send_delta, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
 pytestmark = pytest.mark.swarm
@@ -79,19 +81,8 @@ def test_a_restarted_member_sits_a_round_it_sent_before_out_once_and_then_goes_o
     would be an equivocation), takes the holders' state, which is still at round 0, and comes to round
     0 again: it goes on alone at once instead of sitting it out again (a churn run spent minutes of
     35-second sit-outs of the same round), still sending nothing."""
-    from peer.sync.sent_rounds import SentRounds
-    from tests.sync_members import RUN_ID
-
-    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)  # its previous life
     x = torch.full((NUMEL,), 0.01)
-    with sync_group(
-        dht_factory,
-        2,
-        NUMEL,
-        averaging_timeout=2.0,
-        report_timeout=1.0,
-        sent={0: SentRounds(tmp_path, RUN_ID)},
-    ) as members:
+    with _restarted_pair(dht_factory, tmp_path, averaging_timeout=2.0, report_timeout=1.0) as members:
         restarted, other = members
         ids = [m.peer_id for m in members]
         first = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64).result(timeout=30)
@@ -103,6 +94,18 @@ def test_a_restarted_member_sits_a_round_it_sent_before_out_once_and_then_goes_o
     assert again.outcome == "alone" and again.members == [restarted.peer_id], (again.outcome, again.detail)
     assert seconds < 1.5, seconds  # not another sit-out (3 s here, 35 s by default)
     assert restarted.peer_id not in reports and not other.service.inbox.banned(restarted.peer_id)
+
+
+@contextmanager
+def _restarted_pair(dht_factory, tmp_path, averaging_timeout: float, report_timeout: float):
+    """Two members holding MODULE; the first is a restart whose previous life sent round 0 (its
+    record of rounds sent is on disk in `tmp_path`)."""
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)
+    sent = {0: SentRounds(tmp_path, RUN_ID)}
+    with sync_group(
+        dht_factory, 2, NUMEL, averaging_timeout=averaging_timeout, report_timeout=report_timeout, sent=sent
+    ) as members:
+        yield members
 
 
 async def _reports(member) -> list[str]:
@@ -143,19 +146,9 @@ def test_a_member_sitting_a_round_out_says_so_and_the_others_stop_waiting_for_it
     timeout (30 s here; a churn run lost 35 s per restart so). It says SIT_OUT: the other decides
     round 0 without it at once, and its next round's part ends the sitter's wait."""
     from peer.sync.rounds import SAT_OUT
-    from peer.sync.sent_rounds import SentRounds
-    from tests.sync_members import RUN_ID
 
-    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)  # its previous life
     deltas = deltas_for(2, seed=16)
-    with sync_group(
-        dht_factory,
-        2,
-        NUMEL,
-        averaging_timeout=30.0,
-        report_timeout=5.0,
-        sent={0: SentRounds(tmp_path, RUN_ID)},
-    ) as members:
+    with _restarted_pair(dht_factory, tmp_path, averaging_timeout=30.0, report_timeout=5.0) as members:
         restarted, other = members
         ids = [m.peer_id for m in members]
         started = time.monotonic()

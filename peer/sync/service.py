@@ -235,9 +235,9 @@ class SyncService:
 
         return await asyncio.wait_for(go(), timeout)
 
-    def request_each(self, peers: list[str], frames: list[bytes], timeout: float) -> dict[str, Ack | None]:
+    async def ask_each(self, peers: list[str], frames: list[bytes], timeout: float) -> dict[str, Ack | None]:
         """Sends the same request to each of `peers` at once and waits, at most `timeout`, for their
-        ACKs: None for a peer that could not be reached or did not answer in time (blocking)."""
+        ACKs: None for a peer that could not be reached or did not answer in time (on the loop)."""
 
         async def one(peer: str) -> Ack | None:
             try:
@@ -246,10 +246,11 @@ class SyncService:
                 logger.debug(f"request to {peer} failed: {type(e).__name__}: {e}")
                 return None
 
-        async def each() -> dict[str, Ack | None]:
-            return dict(zip(peers, await asyncio.gather(*(one(p) for p in peers)), strict=True))
+        return dict(zip(peers, await asyncio.gather(*(one(p) for p in peers)), strict=True))
 
-        return self.call(each(), timeout + 2)
+    def request_each(self, peers: list[str], frames: list[bytes], timeout: float) -> dict[str, Ack | None]:
+        """`ask_each` from a thread other than the loop's (blocking)."""
+        return self.call(self.ask_each(peers, frames, timeout), timeout + 2)
 
     async def send_all(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
         """Sends every frame of one message to `peer` at once and returns its single ACK (an echo: the

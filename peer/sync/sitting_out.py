@@ -36,7 +36,7 @@ class SittingOut:
         self.me = service.peer_id
         #: rounds we sat out once in this life: the second time goes alone
         self._sat_out: set[Key] = set()
-        self._tasks: set[asyncio.Task] = set()  # notices still being delivered
+        self._notices: set[asyncio.Task] = set()  # notices still being delivered
 
     def sent_already(self, key: Key) -> bool:
         return self.sent.sent_already(*key)
@@ -68,14 +68,7 @@ class SittingOut:
             run=self.service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
         )
         frames = [wire.pack_header(Kind.SIT_OUT, sit)]
-
-        async def tell(member: str) -> None:
-            try:
-                await self.service.request(member, frames, self.wait_seconds)
-            except Exception as e:  # gone, or past the round: it does not wait for us either way
-                logger.debug(f"{key}: {member} did not take our sit-out notice: {type(e).__name__}: {e}")
-
-        for member in others:
-            task = asyncio.create_task(tell(member))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        # a member that does not take it is gone or past the round: it does not wait for us either way
+        task = asyncio.create_task(self.service.ask_each(others, frames, self.wait_seconds))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
