@@ -235,8 +235,13 @@ class Inbox:
             raise Refused("stale", f"round {round_index} is over (ours is {current})")
         key = (module, fragment, round_index)
         slot = self.slot(key)
-        if sender not in slot.deliveries and sender not in slot.reports.reports:
-            senders = set(slot.deliveries) | set(slot.reports.reports)
+        # a sit-out notice takes a sender's place too: the slot's sets stay within max_senders
+        if (
+            sender not in slot.deliveries
+            and sender not in slot.reports.reports
+            and sender not in slot.sat_out
+        ):
+            senders = set(slot.deliveries) | set(slot.reports.reports) | slot.sat_out
             if len(senders) >= self.max_senders:
                 raise Refused("full", f"{len(senders)} senders already")
         return key
