@@ -43,7 +43,7 @@ from peer.checkpoint import load_latest_checkpoint
 from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig
 from peer.config.manifest import SchedulerConfig
 from peer.data.sources import DatasetSpec
-from peer.model.grid import ModelConfig, path_from_index, path_module_ids
+from peer.model.grid import ModelConfig, all_paths, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.create import build_manifest
 from peer.run.record import save_record, sign_manifest
@@ -172,6 +172,16 @@ def run_arm(args, lab: NetLab, regions: Regions, arm: str, base: RunManifest, fo
         # leave in the first full run (its last step, then the round in flight)
         lab.stop(procs, grace_seconds=120)
         lab.stop([bootstrap], grace_seconds=5)
+    (folder / "arm.json").write_text(
+        json.dumps(
+            dict(
+                started=started,
+                changed_at=changed_at,
+                region_changes=regions.changes,
+                peer_ids=regions.peer_ids,
+            )
+        )  # fmt: skip
+    )
     return measure(args, regions, manifest, folder, started, changed_at)
 
 
@@ -191,14 +201,16 @@ def measure(args, regions: Regions, manifest: RunManifest, folder: Path, t0: flo
         # the log's last path: a move under way when the arm ended is not in the final checkpoint
         trained = rep.TRAINING.findall(logs[-1])
         paths[regions.peer_ids[i]] = int(trained[-1]) if trained else int(meta["path"][0])
-    # the cost model on the final assignment and the final probe file: what the planner predicts
-    data = json.loads(regions.probe_file.read_text())
-    probes = {p: ProbeRecord(peer_id=p, tokens_per_second=data["tokens_per_second"][p], memory_bytes=1 << 34,
-                             links=data["links"][p]) for p in regions.peer_ids}  # fmt: skip
-    claims = {p: ClaimRecord(peer_id=p, path=k, modules=path_module_ids(manifest.model,
-                             path_from_index(manifest.model, k))) for p, k in paths.items()}  # fmt: skip
-    snapshot = build_snapshot(manifest, probes, claims, path_parameters(manifest), args.batch_size)
-    predicted = round_cost(Assignment(paths, manifest.model.n_paths), snapshot).round_seconds
+    predict = Predictor(args, regions, manifest)
+    # the cost model on the final assignment and the final regions: what the planner predicts now
+    predicted = predict(paths, tuple(regions.region))
+    # ... and on every round the peers ran, the assignment and the links of its time
+    by_modules = {frozenset(path_module_ids(manifest.model, p)): path_index(manifest.model, p)
+                  for p in all_paths(manifest.model)}  # fmt: skip
+    per_round = rep.round_predictions(
+        histories, regions.peer_ids, lambda e: by_modules[frozenset(e["groups"])], regions, predict,
+        t0, changed_at,
+    )  # fmt: skip
     moves = sum(len(rep.MOVE.findall(text)) for text in logs)
     settled = max([changed_at or t0] + [_last_move_time(h) for h in histories])
     return dict(
@@ -209,10 +221,37 @@ def measure(args, regions: Regions, manifest: RunManifest, folder: Path, t0: flo
         cross_region_group_fraction=rep.cross_region_fraction(histories, regions),
         measured_round_seconds=rep.round_seconds(histories, settled),
         predicted_round_seconds=predicted,
+        round_predictions=per_round,
+        predicted_over_measured=per_round["whole"]["predicted_over_measured"],
+        predicted_over_measured_before_change=per_round["before_change"]["predicted_over_measured"],
         logged_predicted_round_seconds=rep.logged_predictions(logs),
         final_paths=paths,
         change_at_seconds=None if changed_at is None else changed_at - t0,
     )
+
+
+class Predictor:
+    """The planner's round time (`peer.scheduler.round_cost` on a snapshot built as the peers build
+    theirs) for an assignment under the regions of a moment, cached per (assignment, regions)."""
+
+    def __init__(self, args, regions: Regions, manifest: RunManifest):
+        self.args, self.regions, self.manifest = args, regions, manifest
+        self.n_parameters = path_parameters(manifest)
+        self.cache: dict[tuple, float] = {}
+
+    def __call__(self, paths: dict[str, int], region: tuple[int, ...]) -> float:
+        key = (tuple(sorted(paths.items())), region)
+        if key not in self.cache:
+            ids, cfg, lab = self.regions.peer_ids, self.manifest.model, self.regions
+            probes = {p: ProbeRecord(peer_id=p, tokens_per_second=lab.tokens_per_second[i],
+                                     memory_bytes=1 << 34,
+                                     links={q: lab.link(i, j, region) for j, q in enumerate(ids) if j != i})
+                      for i, p in enumerate(ids)}  # fmt: skip
+            claims = {p: ClaimRecord(peer_id=p, path=k, modules=path_module_ids(cfg, path_from_index(cfg, k)))
+                      for p, k in paths.items()}  # fmt: skip
+            snapshot = build_snapshot(self.manifest, probes, claims, self.n_parameters, self.args.batch_size)
+            self.cache[key] = round_cost(Assignment(paths, cfg.n_paths), snapshot).round_seconds
+        return self.cache[key]
 
 
 def _last_move_time(history: list[dict]) -> float:
@@ -234,9 +273,10 @@ def summarise(args, results: dict[str, dict]) -> tuple[dict, dict]:
         r["seconds_to_target_loss"] = rep.seconds_to(curves[arm], target)
         r["final_loss"] = curves[arm][-1][1] if curves[arm] else None
     online = results.get("plan_online", {})
-    ratio = None
+    windows = online.get("round_predictions", {})
+    after_move = None
     if online.get("measured_round_seconds"):
-        ratio = online["predicted_round_seconds"] / online["measured_round_seconds"]
+        after_move = online["predicted_round_seconds"] / online["measured_round_seconds"]
     speedup = None
     base, best = results.get("claims_only", {}), online
     if base.get("seconds_to_target_loss") and best.get("seconds_to_target_loss"):
@@ -247,7 +287,10 @@ def summarise(args, results: dict[str, dict]) -> tuple[dict, dict]:
         target_loss=target,
         change_at_seconds=next((r["change_at_seconds"] for r in results.values()), None),
         arms=results,
-        predicted_over_measured_round_seconds=ratio,
+        # the cost model against every round of plan_online's arm; the steady window beside it
+        predicted_over_measured_round_seconds=windows.get("whole", {}).get("predicted_over_measured"),
+        predicted_over_measured_before_change=windows.get("before_change", {}).get("predicted_over_measured"),
+        predicted_over_measured_after_last_move=after_move,
         plan_online_speedup_over_claims_only=speedup,
     )
     return report, curves

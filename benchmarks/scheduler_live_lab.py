@@ -50,9 +50,11 @@ class Regions:
                     self.lab.ns(h, "tc", "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
                                 "prio", "1", *far)  # fmt: skip
 
-    def link(self, i: int, j: int) -> list[float]:
-        """[latency s, bandwidth B/s] from peer i to peer j, as the lab shapes it."""
-        near = self.region[i] == self.region[j]
+    def link(self, i: int, j: int, region: list[int] | tuple[int, ...] | None = None) -> list[float]:
+        """[latency s, bandwidth B/s] from peer i to peer j, as the lab shapes it (under `region`,
+        a past or future assignment of regions, if given)."""
+        region = self.region if region is None else region
+        near = region[i] == region[j]
         mbit = self.fast_mbit if near else self.slow_mbit
         return [self.latency[0] if near else self.latency[1], mbit * 1e6 / 8]
 

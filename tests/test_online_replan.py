@@ -64,6 +64,23 @@ def decide(m: RunManifest, probe_records, claim_records, me: str):
     return online_move(m, snap, claim_records, me, seed=1)
 
 
+def test_the_live_snapshot_prices_whole_parts_and_the_trunk_with_every_peer():
+    # the round a live swarm runs (docs/sync-protocol.md): each member sends its whole part to every
+    # other member; the trunk, on every path, goes to every placed peer whatever the plan
+    from peer.codecs.specs import codec_spec
+    from peer.model.grid import TRUNK
+    from peer.model.transformer import build_module_shape_only, count_parameters
+
+    m = manifest()
+    snap = build_snapshot(m, probes(FAST), claims(MIXED), path_parameters(m), batch_size=4)
+    per_value = codec_spec(m.sync.codec).wire_bytes_per_value / m.sync.fragments
+    trunk = count_parameters(build_module_shape_only(m.model, TRUNK))
+    assert snap.grid.exchange == "all_to_all"
+    assert snap.grid.shared_fragment_bytes == trunk * per_value
+    assert snap.grid.fragment_bytes == (path_parameters(m) - trunk) * per_value
+    assert snap.grid.shared_group_size == m.sync.max_group_size
+
+
 def test_a_peer_whose_link_to_its_group_slows_down_is_moved_to_its_own_region():
     m = manifest()
     before = {p: decide(m, probes(FAST), claims(MIXED), p) for p in REGION}

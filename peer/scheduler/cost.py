@@ -11,6 +11,17 @@ overlap in time: the round waits for the slowest group (max), not for their sum.
 the same H steps, so compute is the slowest peer's H steps whatever the partition; what the
 partition changes is the communication and how many tokens each path gets (the penalty).
 
+Two ways to average (`GridSpec.exchange`, per link d -> d' in `link_seconds`): Yuan et al.'s
+all-reduce, 2 * (alpha + c / (|C| * beta)), and pathswarm's robust round ("all_to_all"), where
+every member sends its whole part to every other member, because a robust aggregate needs each
+part whole: ALL_TO_ALL_LATENCIES * alpha + c / beta. A live swarm also averages the modules
+every path holds (the trunk) with *every* placed peer, whatever the partition: each peer's
+summed links to all others at `GridSpec.shared_fragment_bytes` (`shared_ns`) are added to its
+cost in its path group, so the group's cost is max over d of (shared(d) + sum over C \\ d).
+The search sees the same sums: a constant per peer moves no swap's gain, but the slowest member
+of a group can be one with the costliest shared links. (Modules shared by some paths only, in a
+grid of several levels, are priced inside the path group: an under-estimate there.)
+
 Costs are integers in nanoseconds. Summing integers is exact and order-free, so every peer ranks
 plans identically on any CPU; a float sum could round differently and break a tie another way.
 """
@@ -25,6 +36,9 @@ import numpy as np
 from peer.scheduler.snapshot import SwarmSnapshot
 
 NS_PER_SECOND = 1e9
+#: One-way latencies a robust round pays per pair (`docs/sync-protocol.md`): the part's header,
+#: the receiver's accept, the payload; the signed report; the echo of the reports.
+ALL_TO_ALL_LATENCIES = 5
 #: Rows per block when filling or reducing N x N matrices: bounds temporaries to ~ROW_BLOCK x N.
 ROW_BLOCK = 512
 #: Above this many peers the (up to three) cached sums of two sizes' link matrices would cost more
@@ -92,6 +106,18 @@ def datap_cost(
     return float(per_link.sum(axis=1).max())
 
 
+def link_seconds(
+    latency_seconds: np.ndarray, bandwidth_bytes_per_second: np.ndarray, fragment_bytes: float,
+    size: int, exchange: str,
+) -> np.ndarray:  # fmt: skip
+    """Seconds d spends on its link to d' in one averaging of a group of `size` (elementwise; the
+    diagonal is the caller's to zero). See the module docstring for the two exchanges."""
+    with np.errstate(divide="ignore"):
+        if exchange == "all_to_all":
+            return ALL_TO_ALL_LATENCIES * latency_seconds + fragment_bytes / bandwidth_bytes_per_second
+        return 2.0 * (latency_seconds + fragment_bytes / (size * bandwidth_bytes_per_second))
+
+
 def pipeline_cost(stage_peer_ids: Sequence[str], activation_bytes: float, snapshot: SwarmSnapshot) -> float:
     """PIPELINE-COST of one path split over a chain of peers (stage i on `stage_peer_ids[i]`), seconds.
 
@@ -138,7 +164,10 @@ class CostModel:
             self._lat = snapshot.latency_seconds[sub]
             self._bw = snapshot.bandwidth_bytes_per_second[sub]
         self._fragment = float(grid.fragment_bytes)
+        self._exchange = grid.exchange
         self._by_size: dict[object, np.ndarray] = {}
+        #: shared_ns[i]: i's summed links to every other placed peer for the modules all paths hold
+        self.shared_ns = self._shared_ns(float(grid.shared_fragment_bytes), int(grid.shared_group_size))
         # Throughput in milli-tokens/s as integers: group sums are exact, hence order-free.
         self.tps = np.round(snapshot.tokens_per_second[self.peer_index] * 1000).astype(np.int64)
         step = grid.tokens_per_step / snapshot.tokens_per_second[self.peer_index]
@@ -157,7 +186,7 @@ class CostModel:
         return np.array([base + 1] * extra + [base] * (g - extra), dtype=np.int64)
 
     def links(self, size: int) -> np.ndarray:
-        """Per-link cost 2*(alpha + c/(size*beta)) in integer ns for groups of `size` (diag 0).
+        """Per-link cost (`link_seconds`) in integer ns for groups of `size` (diag 0).
 
         Filled in blocks of rows so that a 10k-peer swarm needs no N x N float temporaries."""
         m = self._by_size.get(size)
@@ -183,14 +212,27 @@ class CostModel:
             self._by_size[key] = m
         return m
 
-    def block(self, size: int, rows: np.ndarray, cols) -> np.ndarray:
+    def block(self, size: int, rows: np.ndarray, cols, fragment_bytes: float | None = None) -> np.ndarray:
         """`links(size)[rows][:, cols]` computed from the measurements (rows: an index array);
         element by element the same arithmetic as the full matrix, so the same integers."""
-        with np.errstate(divide="ignore"):
-            sec = 2.0 * (self._lat[rows][:, cols] + self._fragment / (size * self._bw[rows][:, cols]))
+        c = self._fragment if fragment_bytes is None else fragment_bytes
+        sec = link_seconds(self._lat[rows][:, cols], self._bw[rows][:, cols], c, size, self._exchange)
         col_ids = np.arange(self.n)[cols]
         sec[rows[:, None] == col_ids[None, :]] = 0.0
         return np.round(sec * NS_PER_SECOND).astype(np.int64)
+
+    def _shared_ns(self, shared_bytes: float, group_size: int) -> np.ndarray:
+        out = np.zeros(self.n, dtype=np.int64)
+        if shared_bytes == 0 or self.n < 2:
+            return out
+        size = self.n if group_size == 0 else min(group_size, self.n)
+        for start in range(0, self.n, ROW_BLOCK):
+            rows = np.arange(start, min(start + ROW_BLOCK, self.n))
+            total = self.block(size, rows, slice(None), shared_bytes).sum(axis=1)
+            # rotating subgroups: (size - 1) partners a round, each link as often as any other
+            out[rows] = total * (size - 1) // (self.n - 1)
+        out.setflags(write=False)
+        return out
 
     # --- evaluation -------------------------------------------------------------------------
 
@@ -209,10 +251,11 @@ class CostModel:
             for start in range(0, self.n, ROW_BLOCK):  # an N x |cols| gather would double the memory
                 stop = min(start + ROW_BLOCK, self.n)
                 out[start:stop, gs] = np.add.reduceat(links[start:stop][:, cols], starts, axis=1)
-        return out
+        # a peer's shared links count in whichever group it is: an offset on all of its row
+        return out + self.shared_ns[:, None]
 
     def group_costs(self, labels: np.ndarray, sums: np.ndarray | None = None) -> np.ndarray:
-        """DATAP-COST of every group in ns, shape (G,)."""
+        """DATAP-COST of every group in ns, with its members' shared links (`shared_ns`), shape (G,)."""
         out = np.zeros(self.n_groups, dtype=np.int64)
         if sums is None:
             # Each group's own block only: O(sum of squared sizes), and no matrix per group size
@@ -222,7 +265,9 @@ class CostModel:
             for g in range(self.n_groups):
                 ms = order[bounds[g] : bounds[g + 1]]
                 if ms.size > 1:
-                    out[g] = self.block(int(ms.size), ms, ms).sum(axis=1).max()
+                    out[g] = (self.block(int(ms.size), ms, ms).sum(axis=1) + self.shared_ns[ms]).max()
+                elif ms.size == 1:
+                    out[g] = self.shared_ns[ms[0]]
             return out
         own = sums[np.arange(self.n), labels]
         np.maximum.at(out, labels, own)

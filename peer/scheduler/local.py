@@ -99,7 +99,7 @@ class State:
         self.counts[b] += 1
         for grp in (a, b):
             ms = np.flatnonzero(self.labels == grp)
-            self.sums[grp] = self.m.links(int(self.counts[grp]))[ms].sum(axis=0)
+            self.sums[grp] = self.m.links(int(self.counts[grp]))[ms].sum(axis=0) + self.m.shared_ns
         self.group_tps[a] -= self.m.tps[u]
         self.group_tps[b] += self.m.tps[u]
         self.refresh()
@@ -317,12 +317,15 @@ def _move_scores(st: State, u: int, own, gc, top, varies) -> list:
     small = np.flatnonzero(st.counts == st.lo)
     rest = st.mem[a][st.valid[a] & (st.mem[a] != u)]
     llo, lhi = m.links(st.lo), m.links(st.hi)
-    new_a = int(llo[np.ix_(rest, rest)].sum(axis=1).max(initial=0))
+    shared = m.shared_ns
+    new_a = int((llo[np.ix_(rest, rest)].sum(axis=1) + shared[rest]).max(initial=0))
     sm, sv = st.mem[small], st.valid[small]
     rows = np.where(
-        sv, lhi[sm[:, :, None], sm[:, None, :]].sum(axis=2, where=sv[:, None, :]) + lhi[sm, u], NEG
+        sv,
+        lhi[sm[:, :, None], sm[:, None, :]].sum(axis=2, where=sv[:, None, :]) + lhi[sm, u] + shared[sm],
+        NEG,
     )
-    new_b = np.maximum(rows.max(axis=1), np.where(sv, lhi[u, sm], 0).sum(axis=1))
+    new_b = np.maximum(rows.max(axis=1), np.where(sv, lhi[u, sm], 0).sum(axis=1) + shared[u])
     comm = np.maximum(np.maximum(new_a, new_b), _others_max(gc, top, a, small))
     total = gc.sum() - gc[a] - gc[small] + new_a + new_b
     if varies:

@@ -29,6 +29,8 @@ DEFAULT_BANDWIDTH_BYTES_PER_SECOND = 100e6 / 8
 #: Used only when no peer reported a throughput: the value is irrelevant to the ranking of plans
 #: when all peers share it, it only scales the compute term.
 DEFAULT_TOKENS_PER_SECOND = 1000.0
+#: The ways a group can average, see `GridSpec.exchange`.
+EXCHANGES = ("all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,31 @@ class GridSpec:
     #: Memory a peer needs to hold a whole path; peers below it are left out of the partition
     #: (they would need the path split across peers, see `cost.pipeline_cost`). None: no check.
     path_memory_bytes: int | None = None
+    #: How a group averages (`cost.link_seconds`): "all_reduce" is Yuan et al.'s (each member sends
+    #: a 1/|C| share to each other member); "all_to_all" is pathswarm's robust round, where each
+    #: member sends its whole part to every other member (a robust aggregate needs every part).
+    exchange: str = "all_reduce"
+    #: Bytes of the modules every path holds (the trunk): each placed peer averages them with every
+    #: other placed peer, whatever the partition, on top of its path group's `fragment_bytes`.
+    shared_fragment_bytes: float = 0.0
+    #: Subgroup size the shared modules average in (`sync.max_group_size`; 0: all placed peers).
+    #: Subgroups rotate over the rounds, so a peer's shared cost is priced as its mean link times
+    #: its partners per round: an expectation, not any one round.
+    shared_group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.n_paths < 1:
             raise ValueError(f"n_paths must be >= 1, got {self.n_paths}")
         if not (np.isfinite(self.fragment_bytes) and self.fragment_bytes >= 0):
             raise ValueError(f"fragment_bytes must be finite and >= 0, got {self.fragment_bytes}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if not (np.isfinite(self.shared_fragment_bytes) and self.shared_fragment_bytes >= 0):
+            raise ValueError(
+                f"shared_fragment_bytes must be finite and >= 0, got {self.shared_fragment_bytes}"
+            )
+        if self.shared_group_size < 0:
+            raise ValueError(f"shared_group_size must be >= 0, got {self.shared_group_size}")
         if self.inner_steps < 0 or self.tokens_per_step < 0:
             raise ValueError("inner_steps and tokens_per_step must be >= 0")
         if self.token_balance_weight < 0:

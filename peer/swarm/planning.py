@@ -49,6 +49,14 @@ def path_parameters(manifest: RunManifest) -> int:
     return count_parameters(model)
 
 
+@lru_cache(maxsize=8)
+def shared_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the modules every path holds (the trunk, and a level of one module): every
+    placed peer averages them with every other, whatever the plan (shapes only)."""
+    common = set.intersection(*(set(path_module_ids(cfg, p)) for p in all_paths(cfg)))
+    return sum(count_parameters(build_module_shape_only(cfg, m)) for m in common)
+
+
 def build_snapshot(
     manifest: RunManifest,
     probes: dict[str, ProbeRecord],
@@ -57,7 +65,9 @@ def build_snapshot(
     batch_size: int = 8,
 ) -> SwarmSnapshot:
     """Peers are those with a live claim or probe record; missing measurements are filled in
-    conservatively by the snapshot itself."""
+    conservatively by the snapshot itself. The cost model prices the round this swarm runs: each
+    member sends its whole part to every other member (`exchange="all_to_all"`), the path's own
+    modules inside its group and the shared ones (`shared_parameters`) with every placed peer."""
     peers = {
         pid: PeerMeasurement(
             tokens_per_second=probes[pid].tokens_per_second if pid in probes else None,
@@ -70,9 +80,13 @@ def build_snapshot(
         for src, record in probes.items()
         for dst, (lat, bw) in record.links.items()
     ]
+    shared = shared_parameters(manifest.model)
     grid = GridSpec(
         n_paths=manifest.model.n_paths,
-        fragment_bytes=fragment_bytes(manifest, n_parameters),
+        fragment_bytes=fragment_bytes(manifest, n_parameters - shared),
+        shared_fragment_bytes=fragment_bytes(manifest, shared),
+        exchange="all_to_all",
+        shared_group_size=manifest.sync.max_group_size,
         inner_steps=manifest.sync.inner_steps,
         tokens_per_step=batch_size * manifest.seq_len,
     )
