@@ -170,6 +170,11 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
                 missing = {k: e for k, e in missing.items() if not query(prom_url, e)}
                 time.sleep(2)
             assert not missing, f"panels without data: {missing}\n" + swarm.log_path("a").read_text()[-2000:]
+            # the plan's predicted round beside the one measured over the monitor's clock
+            plan = get_json(f"{page_url}/api/status")["plan"]
+            assert plan["peers"] == 2 and plan["current_round_seconds"] > 0, plan
+            wait_for(lambda: query(prom_url, 'pathswarm_swarm_round_seconds{kind="measured"}'), 60,
+                     "the monitor to measure the peers' round time", swarm)  # fmt: skip
 
             # every alert expression is valid, and every series it reads is there
             rules = alert_rules()
@@ -193,6 +198,7 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
                 holders = dict(re.findall(r'data-module="(\w+)" data-holders="(\d+)"', dom))
                 assert holders == {"trunk": "2", "l0m0": "2", "l1m0": "1", "l1m1": "1", "l0m1": "0"}, holders
                 assert f'<span id="run">{RUN}</span>' in dom and "<svg" in dom
+                assert 'id="plan"' in dom and "round now (cost model)" in dom
                 shot = tmp_path / "monitor.png"
                 chromium_run(
                     f"--screenshot={shot}", "--window-size=1280,960", f"{page_url}/?peer={ids[0][:12]}"

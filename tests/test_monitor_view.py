@@ -219,3 +219,65 @@ def test_holders_without_admission_are_claimed_not_confirmed_once_the_run_admits
     # a run that never admitted anyone: every holder counts (nothing tells them apart)
     open_run = build_view("r", "f" * 64, GRID, stranger_only, admitted=admitted)
     assert open_run.module_holders_confirmed == open_run.module_holders
+
+
+# --- the scheduler's plan (monitoring/swarm/plan.py) ----------------------------------------------
+
+
+def _two_regions(cross_latency: float):
+    """Four peers interleaved over two regions: fast links inside each, `cross` between them."""
+    from dht.schema import ProbeRecord
+
+    region = {"QmPa": 0, "QmPb": 1, "QmPc": 0, "QmPd": 1}
+    fast, cross = [0.001, 1e9], [cross_latency, 1e5]
+    return region, {
+        p: ProbeRecord(peer_id=p, tokens_per_second=1e5, memory_bytes=1 << 34,
+                       links={q: fast if region[p] == region[q] else cross for q in region if q != p})
+        for p in region
+    }  # fmt: skip
+
+
+def test_the_monitor_shows_the_plan_its_predicted_round_and_the_moves_that_take_the_swarm_there():
+    from monitoring.swarm.plan import plan_view
+    from peer.config import RunManifest
+    from peer.config.manifest import SchedulerConfig
+
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=1, modules_per_level=2)
+    m = RunManifest(name="planned", model=cfg, seq_len=32, scheduler=SchedulerConfig(replan_online=True))
+    region, probes = _two_regions(0.1)
+    # claims alone put each path's pair across the slow link
+    mixed = {"QmPa": 0, "QmPb": 0, "QmPc": 1, "QmPd": 1}
+    claims = {p: ClaimRecord(peer_id=p, path=k, modules=path_module_ids(cfg, path_from_index(cfg, k)))
+              for p, k in mixed.items()}  # fmt: skip
+    view = plan_view(m, "ab" * 32, claims, probes, measured_round_seconds=4.0)
+    assert view.peers == view.probed == 4 and view.note == ""
+    assert view.planned_round_seconds < view.current_round_seconds
+    moved = {mv.peer_id for mv in view.moves}
+    assert len(moved) == 2 and len({region[p] for p in moved}) == 2  # one of each region trades paths
+    after = {p: next((mv.planned_path for mv in view.moves if mv.peer_id == p), k) for p, k in mixed.items()}
+    assert all(len({region[p] for p in after if after[p] == k}) == 1 for k in (0, 1))  # region-pure pairs
+    assert view.predicted_over_measured == pytest.approx(view.current_round_seconds / 4.0)
+    # a peer without a probe record is still planned for (the snapshot's defaults), and counted
+    assert plan_view(m, "ab" * 32, claims, {p: r for p, r in probes.items() if p != "QmPa"}).probed == 3
+    # shown on the page
+    moves = [vars(mv) for mv in view.moves]
+    status = {"plan": {**vars(view), "moves": moves, "predicted_over_measured": 0.5}}
+    from monitoring.swarm.page import plan_section
+
+    html = plan_section(status)
+    assert html.count("<tr data-move=") == 2 and "0.50" in html
+
+
+def test_the_measured_round_time_is_the_median_peers_over_the_monitors_clock():
+    from monitoring.swarm.plan import MeasuredRounds
+
+    rounds = MeasuredRounds()
+    assert rounds.update(0.0, {"a": 10, "b": 10, "c": 10}) is None  # one reading: nothing measured yet
+    # a and b run a round every 5 s; c claims a round every 0.1 s: it is one peer of three
+    assert rounds.update(10.0, {"a": 12, "b": 12, "c": 110}) == pytest.approx(5.0)
+    assert rounds.update(20.0, {"a": 14, "b": 14, "c": 210}) == pytest.approx(5.0)
+    # a stalls: its rounds stay, its seconds per round grow over the window
+    assert rounds.update(30.0, {"a": 14, "b": 16, "c": 310}) == pytest.approx(30.0 / 6)
+    # a counter that went down (a restart without its checkpoint) starts that peer over
+    rounds.update(40.0, {"a": 1, "b": 18})
+    assert rounds.update(50.0, {"a": 2, "b": 20}) == pytest.approx((10.0 + 50.0 / 10) / 2)

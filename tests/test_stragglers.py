@@ -84,3 +84,44 @@ def test_no_member_is_cut_short_before_the_recent_rounds_were_measured(dht_facto
         results = [f.result(timeout=60) for f in [*futures, late]]
     assert [r.outcome for r in results] == ["averaged"] * 3, [r.detail for r in results]
     assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_part_on_its_way_over_a_slow_link_is_waited_for_past_the_recent_rounds_pace(dht_factory):
+    """After a few fast rounds a member's link slows down (the WAN lab's regions changed): its header
+    comes at once but its payload takes longer than the pace allows. Its part is on its way, not held
+    back, so the others wait for it: left out as late at some members and in time at others, it split
+    the copies in the scheduler_live run (docs/benchmarks/scheduler_live.md). All three average."""
+    slow_weight = 2.0  # tells the slow member's part apart where the receivers decode it
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
+        ids = [m.peer_id for m in members]
+        for r in range(MIN_ROUNDS):
+            for m in members:
+                m.service.inbox.set_current(MODULE, 0, r)
+            pairs = zip(members, deltas_for(3, seed=60 + r), strict=True)
+            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
+            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        for m in members[:2]:
+            decode = m.service.inbox.decode
+
+            def slow_decode(header, payload, decode=decode):  # the payload arrives late
+                if header.weight == slow_weight:
+                    time.sleep(MIN_SECONDS + 2.0)
+                return decode(header, payload)
+
+            m.service.inbox.decode = slow_decode
+        for m in members:
+            m.service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
+        deltas = deltas_for(3, seed=70)
+        weights = [1.0, 1.0, slow_weight]
+        started = time.monotonic()
+        futures = [
+            m.runner.start((MODULE, 0, MIN_ROUNDS), d, w, ids, "0" * 64)
+            for m, d, w in zip(members, deltas, weights, strict=True)
+        ]
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged"] * 3, [(r.detail, r.dropped) for r in results]
+    assert all(sorted(r.members) == sorted(ids) for r in results), [r.members for r in results]
+    assert torch.equal(results[0].delta, results[1].delta) and torch.equal(results[0].delta, results[2].delta)
+    assert MIN_SECONDS + 2.0 <= seconds < 40.0, seconds

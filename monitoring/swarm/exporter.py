@@ -225,6 +225,24 @@ class SwarmCollector:
             "Bytes peers received from each other.",
             totals["bytes"].get("received", 0),
         )
+        if v.plan is not None:
+            rounds = {
+                "current": v.plan.current_round_seconds,
+                "planned": v.plan.planned_round_seconds,
+                "measured": v.plan.measured_round_seconds,
+            }
+            yield self._per(
+                "pathswarm_swarm_round_seconds",
+                "Seconds per outer round: the cost model's for the swarm as it stands (current) and for "
+                "the scheduler's plan (planned); the median peer's on the monitor's clock (measured).",
+                "kind",
+                {k: x for k, x in rounds.items() if x is not None},
+            )
+            yield GaugeMetricFamily(
+                "pathswarm_swarm_plan_moves",
+                "Peers the scheduler's plan would move to another path.",
+                len(v.plan.moves),
+            )
         yield self._per(
             "pathswarm_swarm_peers_by_version", "Live peers by software version.", "version", v.by_version
         )

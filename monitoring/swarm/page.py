@@ -124,6 +124,42 @@ def charts(status: dict) -> str:
             + line_chart("loss by path", loss) + "</div>")  # fmt: skip
 
 
+def _seconds(v) -> str:
+    return "—" if v is None else f"{v:.2f} s"
+
+
+def plan_section(status: dict) -> str:
+    """The scheduler's plan: its predicted round time against the swarm's now and the measured one,
+    and the moves it asks for (peers follow it only in planned runs that re-plan online)."""
+    plan = status.get("plan")
+    if not plan:
+        return '<p id="plan">no plan yet</p>'
+    follows = ("the peers follow it" if plan["mode"] == "planned" and plan["replan_online"]
+               else "the peers plan at join only" if plan["mode"] == "planned"
+               else f"scheduler mode {plan['mode']}: the peers do not follow it")  # fmt: skip
+    ratio = plan.get("predicted_over_measured")
+    items = [("round now (cost model)", _seconds(plan["current_round_seconds"])),
+             ("round measured (median peer)", _seconds(plan["measured_round_seconds"])),
+             ("predicted / measured", "—" if ratio is None else f"{ratio:.2f}"),
+             ("round with the plan", _seconds(plan["planned_round_seconds"])),
+             ("moves the plan asks for", len(plan["moves"])), ("peers probed", f"{plan['probed']} of {plan['peers']}")]  # fmt: skip
+    cards = "".join(f'<div class="card">{escape(k)}<b>{escape(str(v))}</b></div>' for k, v in items)
+    moves = "".join(
+        f'<tr data-move="{escape(m["peer_id"])}"><td><code>{escape(m["peer_id"])}</code></td>'
+        f"<td>{m['path']}</td><td>{m['planned_path']}</td></tr>"
+        for m in plan["moves"][:MAX_PAGE_ROWS]
+    )
+    table = ("<table id=\"plan-moves\"><thead><tr><th>peer id</th><th>path now</th><th>path in the plan</th></tr></thead>"
+             f"<tbody>{moves}</tbody></table>") if moves else ""  # fmt: skip
+    note = f'<p class="bad">{escape(plan["note"])}</p>' if plan.get("note") else ""
+    parts = ""
+    if plan["current_round_seconds"] is not None:
+        parts = (f" · now: compute {plan['current_compute_seconds']:.2f} s + averaging "
+                 f"{plan['current_communication_seconds']:.2f} s")  # fmt: skip
+    return (f'<div class="cards" id="plan">{cards}</div>{note}{table}<div class="sub">the peers\' own planner on '
+            f"their signed probe records (speeds and links are claims){parts}; {escape(follows)}</div>")  # fmt: skip
+
+
 def peers_table(status: dict, mine: str = "") -> str:
     """Peers matching `mine` first, then training and fastest ones, at most MAX_PAGE_ROWS."""
     ranked = sorted(status["peers"], key=lambda p: (not (mine and mine in p["peer_id"]),
@@ -216,6 +252,7 @@ def render_page(status: dict, mine: str = "") -> str:
 <h2>Swarm</h2><div class="cards">{cards_html}</div>{warn}
 <h2>Paths × modules (holders)</h2>{grid_table(status)}
 <div class="sub">confirmed holders (the run creator's admission, once anyone has it): red none · amber one (one departure from losing it) · green 2+; "(n claimed)": holders counting those without admission</div>
+<h2>Plan</h2>{plan_section(status)}
 <h2>Contribution over the run</h2>{contribution_section(status, mine)}
 <h2>Over time</h2>{charts(status)}
 <h2>Peers</h2><form method="get">

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import hivemind
 
-from dht.keys import claim_shards, claims_key, contributions_key, manifest_key, stash_key
+from dht.keys import claim_shards, claims_key, contributions_key, manifest_key, probes_key, stash_key
 from dht.records import read_records
-from dht.schema import ClaimRecord, ContributionRecord, ManifestRecord, StashRecord
+from dht.schema import ClaimRecord, ContributionRecord, ManifestRecord, ProbeRecord, StashRecord
 from monitoring.swarm.contributions import ContributionBoard
 from monitoring.swarm.exporter import SwarmCollector
+from monitoring.swarm.plan import MeasuredRounds, PlanView, plan_view
 from monitoring.swarm.rates import MeasuredRates
 from monitoring.swarm.view import SwarmView, build_view, select_shards
 from peer.config import RunManifest
@@ -97,6 +98,8 @@ class SwarmPoller:
         #: whether any claim this monitor read was admitted: from then on only admitted holders confirm
         self.seen_admission = False
         self.board = ContributionBoard(self.run_id, self.admission)
+        #: the peers' seconds per outer round, measured over this monitor's clock
+        self.rounds = MeasuredRounds()
         self._reads = 0
         self.stop_event = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,6 +123,8 @@ class SwarmPoller:
             stash = [r for r, _ in read_records(self.dht, stash_key(name, self.run_id), StashRecord)]
             self._reads += 1
             found = read_records(self.dht, contributions_key(name, self.run_id), ContributionRecord)
+            self._reads += 1
+            probed = read_records(self.dht, probes_key(name, self.run_id), ProbeRecord)
         except Exception:
             self.collector.poll_failed(self._reads)
             raise
@@ -131,6 +136,7 @@ class SwarmPoller:
         self.seen_admission = self.seen_admission or view.admitted > 0
         view.contributions = self.board.update([r for r, _ in found], selected.claims)
         view.contributions_rejected = dict(self.board.rejected)
+        view.plan = self._plan(view, selected.claims, {r.peer_id: r for r, _ in probed})
         seconds = time.perf_counter() - started
         self.collector.publish(view, seconds, self._reads)
         spread = max(view.module_round_spread.values(), default=0)
@@ -142,6 +148,20 @@ class SwarmPoller:
                 )
             )
         return view
+
+    def _plan(
+        self, view: SwarmView, claims: dict[str, ClaimRecord], probes: dict[str, ProbeRecord]
+    ) -> PlanView:
+        """The plan for the claims the view counts as training, and the measured round time."""
+        training = {r.peer_id for r in view.peers if r.state == "training" and not r.client_mode}
+        mine = {p: c for p, c in claims.items() if p in training}
+        measured = self.rounds.update(time.monotonic(), {p: c.outer_round for p, c in mine.items()})
+        try:
+            return plan_view(self.manifest, self.run_id, mine, probes, measured)
+        except Exception as e:  # the plan is shown, never needed: a failure is said, the poll goes on
+            s = self.manifest.scheduler
+            note = f"planning failed: {type(e).__name__}: {e}"
+            return PlanView(s.mode, s.replan_online, len(mine), measured_round_seconds=measured, note=note)
 
     def snapshot(self) -> tuple[SwarmView | None, list[HistoryPoint]]:
         with self._lock:

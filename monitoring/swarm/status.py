@@ -32,6 +32,8 @@ def status_dict(view: SwarmView | None, history: list[HistoryPoint]) -> dict:
         out[key] = {str(k): v for k, v in out[key].items()}
     out["orphaned"], out["under_replicated"] = view.orphaned, view.under_replicated
     out["uncovered_paths"] = view.uncovered_paths
+    if view.plan is not None:
+        out["plan"]["predicted_over_measured"] = view.plan.predicted_over_measured
     out["updated"] = time.strftime(
         "%Y-%m-%d %H:%M:%S UTC", time.gmtime(history[-1].time if history else time.time())
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dht.claim_choice import keep_of_shard
 from dht.keys import MAX_CLAIMS_PER_SHARD, claim_shard
@@ -27,6 +28,9 @@ from dht.shard_store import Admitted
 from monitoring.metrics import BAD_PART_REASONS, OUTCOMES
 from monitoring.swarm.contributions import ContributionRow
 from peer.model.grid import ModelConfig, all_module_ids, all_paths, is_path_of, path_module_ids
+
+if TYPE_CHECKING:  # the plan is computed beside the view (monitoring/swarm/plan.py), not in it
+    from monitoring.swarm.plan import PlanView
 
 STATES = ("joining", "training", "leaving")
 REACHABILITY = ("direct", "relay", "unreachable", "unknown")
@@ -156,6 +160,8 @@ class SwarmView:
     contributions: list[ContributionRow] = field(default_factory=list)
     #: contribution records refused in the last poll (forged, tampered, another run), by reason
     contributions_rejected: dict[str, int] = field(default_factory=dict)
+    #: the scheduler's plan for these claims and its predicted round time, beside the measured one
+    plan: PlanView | None = None
 
     @property
     def under_replicated(self) -> list[str]:

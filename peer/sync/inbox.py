@@ -92,6 +92,9 @@ class _Slot:
     decided_with: frozenset[str] | None = None
     #: members that said they send nothing more for this round (they sent it already): not waited for
     sat_out: set[str] = field(default_factory=set)
+    #: senders whose header we accepted and whose payload is still coming: on its way, not late
+    #: (`stragglers.py`: a slow link is not a silent member)
+    incoming: set[str] = field(default_factory=set)
 
 
 class Inbox:

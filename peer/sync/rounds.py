@@ -237,9 +237,14 @@ class RoundRunner:
                 if not (m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE))
             ]
             late = bound is not None and loop.time() - started > bound
+            # a part whose header came is on its way over a slow link, not held back: it is waited
+            # for until the averaging timeout (a link that slowed down must not split the copies
+            # between the members its part reached in time and those it did not)
+            coming = [m for m in waiting if m in slot.incoming]
             for m in waiting if late else []:
-                failed.setdefault(m, StragglerBound.why(bound))
-            return not waiting or late
+                if m not in slot.incoming:
+                    failed.setdefault(m, StragglerBound.why(bound))
+            return not waiting or (late and not coming)
 
         slot = inbox.slot(key)
 

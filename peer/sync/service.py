@@ -184,15 +184,21 @@ class SyncService:
     async def _take_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
         key = self.inbox.check_delta_header(sender, header)
         fault_point("sync.receive_delta")
-        await self._ack(writer, Ack(ok=True, reason="go"))  # only now may the payload come
-        _, payload = await wire.read_frame(reader, {Kind.PAYLOAD}, header.payload_bytes)
-        if len(payload) != header.payload_bytes:
-            raise Refused("shape", f"payload of {len(payload)} bytes, header said {header.payload_bytes}")
-        self.bytes_received += len(payload) + 5
-        delta = await self.loop.run_in_executor(None, self.inbox.decode, header, payload)
-        digest = delivery_digest(header.weight, header.admission, payload)
-        delivery = Delivery(sender, header.weight, digest, delta, len(payload), header.admission, payload)
-        self.inbox.add_delivery(key, delivery)
+        slot = self.inbox.slot(key)
+        slot.incoming.add(sender)  # its part is on its way: the round waits for it past the pace
+        try:
+            await self._ack(writer, Ack(ok=True, reason="go"))  # only now may the payload come
+            _, payload = await wire.read_frame(reader, {Kind.PAYLOAD}, header.payload_bytes)
+            if len(payload) != header.payload_bytes:
+                raise Refused("shape", f"payload of {len(payload)} bytes, header said {header.payload_bytes}")
+            self.bytes_received += len(payload) + 5
+            delta = await self.loop.run_in_executor(None, self.inbox.decode, header, payload)
+            digest = delivery_digest(header.weight, header.admission, payload)
+            delivery = Delivery(sender, header.weight, digest, delta, len(payload), header.admission, payload)
+            self.inbox.add_delivery(key, delivery)
+        finally:
+            slot.incoming.discard(sender)
+            slot.changed.set()
 
     async def _ack(self, writer, ack: Ack) -> None:
         frame = wire.pack_header(Kind.ACK, ack)
