@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from peer.sync.stragglers import MIN_ROUNDS, MIN_SECONDS
+from peer.sync.stragglers import MIN_ROUNDS, MIN_SECONDS, StragglerBound
 from tests.sync_members import MODULE, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
@@ -40,6 +40,8 @@ def test_a_live_member_that_sends_nothing_is_waited_for_as_long_as_recent_rounds
         futures = [m.runner.start((MODULE, 0, MIN_ROUNDS), d, 1.0, ids, "0" * 64) for m, d in pairs]
         results = [f.result(timeout=60) for f in futures]
         seconds = time.monotonic() - started
+        # having cut a member short, each waits twice as long next round (no running ahead)
+        assert [m.runner.stragglers.seconds() for m in members[:2]] == [2 * MIN_SECONDS] * 2
     assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
     assert all(r.dropped[ids[2]].startswith("late") for r in results), results[0].dropped
     assert torch.equal(results[0].delta, results[1].delta)
@@ -125,3 +127,22 @@ def test_a_part_on_its_way_over_a_slow_link_is_waited_for_past_the_recent_rounds
     assert all(sorted(r.members) == sorted(ids) for r in results), [r.members for r in results]
     assert torch.equal(results[0].delta, results[1].delta) and torch.equal(results[0].delta, results[2].delta)
     assert MIN_SECONDS + 2.0 <= seconds < 40.0, seconds
+
+
+def test_a_member_that_left_its_group_out_as_late_waits_longer_next_round_instead_of_running_ahead():
+    """A group whose links slowed down is not stuck, only slower than the pace: a member that leaves
+    them all out as late each round runs ahead alone for good (a scheduler_live peer went alone 11
+    rounds in a row). Each round cut short doubles the next wait; a full round sets the pace again."""
+    bound = StragglerBound()
+    for _ in range(MIN_ROUNDS):
+        bound.record(0.2)
+    assert bound.seconds() == MIN_SECONDS
+    bound.cut_short()
+    assert bound.seconds() == 2 * MIN_SECONDS
+    bound.cut_short()
+    assert bound.seconds() == 4 * MIN_SECONDS
+    bound.record(3.0)  # the group came: the new, slower pace
+    assert bound.seconds() == pytest.approx(MIN_SECONDS)  # 4 x the median 0.2 s is below the floor
+    for _ in range(20):
+        bound.cut_short()
+    assert bound.seconds() < 1000  # bounded; the averaging timeout caps the wait itself

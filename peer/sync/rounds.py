@@ -259,6 +259,8 @@ class RoundRunner:
             probe.cancel()
         if all(m in slot.deliveries for m in others):
             self.stragglers.record(loop.time() - started)
+        elif bound is not None and any(why == StragglerBound.why(bound) for why in failed.values()):
+            self.stragglers.cut_short()  # left someone out as late: do not run ahead of a slower group
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:

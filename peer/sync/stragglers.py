@@ -11,6 +11,14 @@ That is safe for the copies: a late part that reaches the other members still co
 of the voters report it, and a member that lacks an agreed part fetches it; the late member itself
 finds the round over and takes the group's state. Until `MIN_ROUNDS` full rounds were measured there
 is no bound but the timeout.
+
+The pace is the past: when the group's links slow down (the scheduler_live lab's regions changed), the
+others take longer than it allows without being stuck, and a member that leaves them all out as late
+runs ahead alone, round after round, at its own speed, never again in a round with them (a run's peer
+went alone 11 rounds in a row). So each round that leaves a member out as late doubles the wait for
+the next (`cut_short`), up to the averaging timeout, until a round where every part came sets the pace
+again: a member held up by a restart is back within a round or two, and a slower group is caught up
+with.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ MULTIPLE = 4.0
 MIN_ROUNDS = 3
 #: recent full rounds remembered
 WINDOW = 16
+#: the most the wait grows after rounds cut short (5 s x 64: past any averaging timeout in use)
+MAX_BACKOFF = 64.0
 
 
 class StragglerBound:
@@ -33,17 +43,25 @@ class StragglerBound:
 
     def __init__(self) -> None:
         self._seconds: deque[float] = deque(maxlen=WINDOW)
+        #: doubles with each round that left a member out as late, 1 again after a full round
+        self._backoff = 1.0
 
     def record(self, seconds: float) -> None:
         """A gather in which every member's part came took `seconds`."""
         self._seconds.append(seconds)
+        self._backoff = 1.0
+
+    def cut_short(self) -> None:
+        """A round left a member out as late: the next waits twice as long (the caller's deadline,
+        the averaging timeout, stays the ceiling; the factor stops growing past it)."""
+        self._backoff = min(self._backoff * 2.0, MAX_BACKOFF)
 
     def seconds(self) -> float | None:
         """How long a missing member is waited for now (None: no bound yet but the timeout)."""
         if len(self._seconds) < MIN_ROUNDS:
             return None
-        return max(MIN_SECONDS, MULTIPLE * statistics.median(self._seconds))
+        return max(MIN_SECONDS, MULTIPLE * statistics.median(self._seconds)) * self._backoff
 
     @staticmethod
     def why(seconds: float) -> str:
-        return f"late (its part missing after {seconds:.1f} s, {MULTIPLE:g}x the recent rounds' gathers)"
+        return f"late (its part missing after {seconds:.1f} s, the wait the recent rounds allow)"
