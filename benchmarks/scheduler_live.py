@@ -17,8 +17,9 @@ arm, on a clock that starts once every peer trains: `seconds_to_target_loss` (th
 training loss of their last rounds, on their own routed batches, reaching the target:
 `--target_loss`, else the highest of the arms' lowest losses), `tokens_per_second` (per peer),
 `moves` (path changes after training started), `cross_region_group_fraction`, and the round time
-the cost model predicts for the arm's final assignment against the one measured after the change
-and the last move; `predicted_over_measured_round_seconds` is plan_online's. Writes
+the cost model predicts against the measured one: over every round of the arm, each priced on the
+assignment and links of its time (`predicted_over_measured_round_seconds`, plan_online's, the
+headline), before the change, and after the last move (final assignment). Writes
 DIR/scheduler_live.json, .md and .png. `--smoke`: 4 peers, 30 s arms (checks the machinery only).
 """
 

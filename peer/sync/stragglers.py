@@ -15,10 +15,12 @@ is no bound but the timeout.
 The pace is the past: when the group's links slow down (the scheduler_live lab's regions changed), the
 others take longer than it allows without being stuck, and a member that leaves them all out as late
 runs ahead alone, round after round, at its own speed, never again in a round with them (a run's peer
-went alone 11 rounds in a row). So each round that leaves a member out as late doubles the wait for
-the next (`cut_short`), up to the averaging timeout, until a round where every part came sets the pace
-again: a member held up by a restart is back within a round or two, and a slower group is caught up
-with.
+went alone 11 rounds in a row). So when a member left out as late sends its part for that round after
+all, once the round is over here (the runner sees it refused as stale: `RoundRunner._check_ran_ahead`),
+the wait doubles (`cut_short`), up to the averaging timeout, until a round where every part came sets
+the pace again: a slower group is caught up with. A member held up by a restart catches up by
+fetching state and joins at the current round, so it does not slow the survivors: doubling on every
+round that left someone out (tried first) cut the churn arm's tokens to half.
 """
 
 from __future__ import annotations
