@@ -143,7 +143,8 @@ def test_the_monitor_reads_every_claim_shard_of_its_run():
         collector = SwarmCollector(100)
         view = SwarmPoller(swarm.reader, m, record, collector).poll()
         assert {p.peer_id for p in view.peers} == {peer_id_of_key(k) for k in keys}
-        assert collector.stats.dht_reads == m.model.n_paths + 2  # each shard, the stash, contributions
+        # each shard, the stash, contributions, probes (the plan's measurements)
+        assert collector.stats.dht_reads == m.model.n_paths + 3
 
 
 def test_a_claim_listing_modules_off_its_path_is_left_out_of_a_peers_view():

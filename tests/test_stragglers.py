@@ -15,6 +15,16 @@ from tests.test_rounds import NUMEL, deltas_for
 pytestmark = pytest.mark.swarm
 
 
+def _pace(members, ids, seed: int) -> None:
+    """MIN_ROUNDS full rounds: the pace the bound is measured from (the outer loop's rounds)."""
+    for r in range(MIN_ROUNDS):
+        for m in members:
+            m.service.inbox.set_current(MODULE, 0, r)
+        pairs = zip(members, deltas_for(len(members), seed=seed + r), strict=True)
+        futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
+        assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * len(members)
+
+
 @pytest.mark.timeout(120)
 def test_a_live_member_that_sends_nothing_is_waited_for_as_long_as_recent_rounds_took_not_the_timeout(
     dht_factory,
@@ -25,13 +35,7 @@ def test_a_live_member_that_sends_nothing_is_waited_for_as_long_as_recent_rounds
     timeout, and end with the same bits: the average of their two parts."""
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
         ids = [m.peer_id for m in members]
-        for r in range(MIN_ROUNDS):  # full rounds: the pace the bound is measured from
-            for m in members:  # what the outer loop does as its rounds go by
-                m.service.inbox.set_current(MODULE, 0, r)
-            deltas = deltas_for(3, seed=20 + r)
-            pairs = zip(members, deltas, strict=True)
-            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
-            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        _pace(members, ids, seed=20)
         for m in members:
             m.service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
         deltas = deltas_for(3, seed=30)
@@ -56,12 +60,7 @@ def test_a_member_whose_whole_group_is_catching_up_goes_on_alone_after_the_bound
     checkpoints). It goes on alone after the bound; they find the round over and take its state."""
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
         ids = [m.peer_id for m in members]
-        for r in range(MIN_ROUNDS):
-            for m in members:
-                m.service.inbox.set_current(MODULE, 0, r)
-            pairs = zip(members, deltas_for(3, seed=40 + r), strict=True)
-            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
-            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        _pace(members, ids, seed=40)
         members[0].service.inbox.set_current(MODULE, 0, MIN_ROUNDS)
         started = time.monotonic()
         own = deltas_for(1, seed=50)[0]
@@ -97,12 +96,7 @@ def test_a_part_on_its_way_over_a_slow_link_is_waited_for_past_the_recent_rounds
     slow_weight = 2.0  # tells the slow member's part apart where the receivers decode it
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
         ids = [m.peer_id for m in members]
-        for r in range(MIN_ROUNDS):
-            for m in members:
-                m.service.inbox.set_current(MODULE, 0, r)
-            pairs = zip(members, deltas_for(3, seed=60 + r), strict=True)
-            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
-            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        _pace(members, ids, seed=60)
         for m in members[:2]:
             decode = m.service.inbox.decode
 
@@ -157,12 +151,7 @@ def test_a_member_whose_late_partner_came_after_all_waits_longer_instead_of_runn
     delay = MIN_SECONDS + 2.0
     with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0) as members:
         ids = [m.peer_id for m in members]
-        for r in range(MIN_ROUNDS):
-            for m in members:
-                m.service.inbox.set_current(MODULE, 0, r)
-            pairs = zip(members, deltas_for(3, seed=80 + r), strict=True)
-            futures = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
-            assert [f.result(timeout=60).outcome for f in futures] == ["averaged"] * 3
+        _pace(members, ids, seed=80)
         results = {}
         for r in (MIN_ROUNDS, MIN_ROUNDS + 1):
             for m in members:

@@ -33,6 +33,8 @@ MAX_REMEMBERED = 8192
 
 @dataclass
 class PlanMove:
+    """A peer the plan moves: from the path it claims to the plan's."""
+
     peer_id: str
     path: int
     planned_path: int

@@ -123,11 +123,15 @@ class SwarmPoller:
             stash = [r for r, _ in read_records(self.dht, stash_key(name, self.run_id), StashRecord)]
             self._reads += 1
             found = read_records(self.dht, contributions_key(name, self.run_id), ContributionRecord)
-            self._reads += 1
-            probed = read_records(self.dht, probes_key(name, self.run_id), ProbeRecord)
         except Exception:
             self.collector.poll_failed(self._reads)
             raise
+        self._reads += 1
+        try:  # the plan's measurements: without them the plan is priced on defaults, the poll goes on
+            probed = read_records(self.dht, probes_key(name, self.run_id), ProbeRecord)
+        except Exception as e:
+            logger.warning(f"probe records unread ({type(e).__name__}: {e}); planning without them")
+            probed = []
         counters = {p: c.tokens_total for p, c in selected.claims.items()}
         rates = self.rates.update(time.monotonic(), counters)
         model, admitted = self.manifest.model, self.admission.admitted

@@ -104,10 +104,6 @@ class RoundSettings:
     aggregator: AggregatorConfig
 
 
-#: rounds that left a member out as late remembered, to see whether it came after all
-LEFT_LATE_REMEMBERED = 8
-
-
 class RoundRunner:
     """Runs rounds on a `SyncService`'s loop for one peer."""
 
@@ -126,23 +122,6 @@ class RoundRunner:
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}
-        #: recent rounds that left members out as late, and whom (`_check_ran_ahead`)
-        self._left_late: dict[Key, set[str]] = {}
-
-    def _check_ran_ahead(self, key: Key) -> None:
-        """A member we left out as late sent its part for that round after all, once we had moved
-        on: we run ahead of a slower group, not past a stuck member. Wait longer from now on
-        (`StragglerBound.cut_short`), or we would go on alone round after round, never again in a
-        round with it. A member restarted or catching up joins at the current round instead, and
-        does not slow us (the churn arm's survivors)."""
-        came = self.service.inbox.came_after.get(key[:2], {})
-        ran_ahead = False
-        for past, late in list(self._left_late.items()):
-            if past[:2] == key[:2] and any(came.get(m) == past[2] for m in late):
-                ran_ahead = True
-                del self._left_late[past]
-        if ran_ahead:
-            self.stragglers.cut_short()
 
     def _keep(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -233,7 +212,8 @@ class RoundRunner:
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, payload)]
         started = loop.time()
         deadline = started + self.settings.averaging_timeout_seconds
-        self._check_ran_ahead(key)
+        # a member we left out as late came after all: we run ahead of a slower group, wait longer
+        self.stragglers.check_ran_ahead(key, inbox.came_after.get(key[:2], {}))
         bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
@@ -259,14 +239,12 @@ class RoundRunner:
                 if not (m in slot.deliveries or m in slot.refused or failed.get(m, "").startswith(GONE))
             ]
             late = bound is not None and loop.time() - started > bound
-            # a part whose header came is on its way over a slow link, not held back: it is waited
-            # for until the averaging timeout (a link that slowed down must not split the copies
-            # between the members its part reached in time and those it did not)
-            coming = [m for m in waiting if m in slot.incoming]
+            # a part whose header came is on its way (a slowed link), not held back: waited for until
+            # the timeout, or the members it reached in time and those it did not would split
             for m in waiting if late else []:
                 if m not in slot.incoming:
                     failed.setdefault(m, StragglerBound.why(bound))
-            return not waiting or (late and not coming)
+            return not waiting or (late and not any(m in slot.incoming for m in waiting))
 
         slot = inbox.slot(key)
 
@@ -282,10 +260,8 @@ class RoundRunner:
         if all(m in slot.deliveries for m in others):
             self.stragglers.record(loop.time() - started)
         elif bound is not None:
-            late = {m for m, why in failed.items() if why == StragglerBound.why(bound)}
-            self._left_late[key] = late
-            while len(self._left_late) > LEFT_LATE_REMEMBERED:
-                self._left_late.pop(next(iter(self._left_late)))
+            why = StragglerBound.why(bound)
+            self.stragglers.left_out(key, {m for m, w in failed.items() if w == why})
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:

@@ -16,7 +16,7 @@ The pace is the past: when the group's links slow down (the scheduler_live lab's
 others take longer than it allows without being stuck, and a member that leaves them all out as late
 runs ahead alone, round after round, at its own speed, never again in a round with them (a run's peer
 went alone 11 rounds in a row). So when a member left out as late sends its part for that round after
-all, once the round is over here (the runner sees it refused as stale: `RoundRunner._check_ran_ahead`),
+all, once the round is over here (the inbox refused it as stale: `check_ran_ahead`),
 the wait doubles (`cut_short`), up to the averaging timeout, until a round where every part came sets
 the pace again: a slower group is caught up with. A member held up by a restart catches up by
 fetching state and joins at the current round, so it does not slow the survivors: doubling on every
@@ -38,6 +38,8 @@ MIN_ROUNDS = 3
 WINDOW = 16
 #: the most the wait grows after rounds cut short (5 s x 64: past any averaging timeout in use)
 MAX_BACKOFF = 64.0
+#: rounds that left a member out as late remembered, to see whether it came after all
+LEFT_OUT_REMEMBERED = 8
 
 
 class StragglerBound:
@@ -45,13 +47,34 @@ class StragglerBound:
 
     def __init__(self) -> None:
         self._seconds: deque[float] = deque(maxlen=WINDOW)
-        #: doubles with each round that left a member out as late, 1 again after a full round
+        #: doubles each time a member left out as late came after all, 1 again after a full round
         self._backoff = 1.0
+        #: recent rounds (module, fragment, round) that left members out as late, and whom
+        self._left_out: dict[tuple[str, int, int], set[str]] = {}
 
     def record(self, seconds: float) -> None:
         """A gather in which every member's part came took `seconds`."""
         self._seconds.append(seconds)
         self._backoff = 1.0
+
+    def left_out(self, key: tuple[str, int, int], members: set[str]) -> None:
+        """Round `key` left `members` out as late."""
+        self._left_out[key] = members
+        while len(self._left_out) > LEFT_OUT_REMEMBERED:
+            self._left_out.pop(next(iter(self._left_out)))
+
+    def check_ran_ahead(self, key: tuple[str, int, int], came_after: dict[str, int]) -> None:
+        """`came_after`: the fragment's holders whose part came once that round was over here (the
+        inbox's stale refusals, holder -> round). One we had left out as late came after all: we run
+        ahead of a slower group, not past a stuck member, so the wait doubles (`cut_short`). A member
+        restarted or catching up joins at the current round instead and does not slow us."""
+        ran_ahead = False
+        for past, late in list(self._left_out.items()):
+            if past[:2] == key[:2] and any(came_after.get(m) == past[2] for m in late):
+                ran_ahead = True
+                del self._left_out[past]
+        if ran_ahead:
+            self.cut_short()
 
     def cut_short(self) -> None:
         """A round left a member out as late: the next waits twice as long (the caller's deadline,
