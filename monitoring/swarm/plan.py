@@ -18,17 +18,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from dht.schema import ClaimRecord, ProbeRecord
+from monitoring.swarm.rates import MAX_REMEMBERED
 from peer.config import PeerConfig, RunManifest
-from peer.scheduler import Assignment, replan, round_cost
+from peer.scheduler import round_cost
 from peer.seeding import stable_seed
-from peer.swarm.planning import build_snapshot, current_assignment, path_parameters
+from peer.swarm.planning import build_snapshot, path_parameters, replan_claims
 
 #: the most training peers the monitor plans for on a poll (a 2,000-peer search takes seconds)
 MAX_PLAN_PEERS = 2000
 #: polls a peer's round counter is remembered over (a minute at the default 10 s interval)
 ROUND_WINDOW_POLLS = 7
-#: peers whose round counters are remembered at most (a flood of keys cannot grow the monitor)
-MAX_REMEMBERED = 8192
 
 
 @dataclass
@@ -70,7 +69,8 @@ class PlanView:
 
 class MeasuredRounds:
     """Seconds per outer round of each peer, from its claimed round counter read at successive polls
-    over the last `ROUND_WINDOW_POLLS` polls (a counter that went down starts over)."""
+    over the last `ROUND_WINDOW_POLLS` polls (a counter that went down starts over); as many peers
+    remembered as `MeasuredRates` remembers (a flood of keys cannot grow the monitor)."""
 
     def __init__(self) -> None:
         self._seen: OrderedDict[str, deque[tuple[float, int]]] = OrderedDict()
@@ -117,12 +117,8 @@ def plan_view(
     # the peers' own batch size is theirs to set; the default prices the plan as most of them run
     batch_size = PeerConfig.model_fields["batch_size"].default
     snapshot = build_snapshot(manifest, known, training, path_parameters(manifest), batch_size)
-    current = current_assignment(manifest, training)
-    current = Assignment(
-        {p: k for p, k in current.path_of_peer.items() if p in snapshot.peer_ids}, current.n_paths
-    )
+    current, result = replan_claims(manifest, snapshot, training, stable_seed(run_id))
     now = round_cost(current, snapshot)
-    result = replan(current, snapshot, seed=stable_seed(run_id), min_gain=s.replan_min_gain)
     view.current_round_seconds = now.round_seconds
     view.current_compute_seconds = now.compute_seconds
     view.current_communication_seconds = now.communication_seconds

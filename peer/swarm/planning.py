@@ -26,6 +26,7 @@ from peer.scheduler import (
     LinkMeasurement,
     OnlineDecision,
     PeerMeasurement,
+    Replan,
     SwarmSnapshot,
     averaging_groups,
     online_decision,
@@ -102,6 +103,22 @@ def current_assignment(
     )
 
 
+def replan_claims(
+    manifest: RunManifest,
+    snapshot: SwarmSnapshot,
+    claims: dict[str, ClaimRecord],
+    seed: int,
+    exclude: str | None = None,
+) -> tuple[Assignment, Replan]:
+    """The claims' assignment (of the peers the snapshot measured, less `exclude`) and the run's
+    re-plan of it: what a joining peer follows, and what the monitor shows."""
+    current = current_assignment(manifest, claims, exclude=exclude)
+    current = Assignment(
+        {p: k for p, k in current.path_of_peer.items() if p in snapshot.peer_ids}, current.n_paths
+    )
+    return current, replan(current, snapshot, seed=seed, min_gain=manifest.scheduler.replan_min_gain)
+
+
 def planned_path(
     manifest: RunManifest,
     snapshot: SwarmSnapshot,
@@ -114,11 +131,7 @@ def planned_path(
     `joining`: place us as a newcomer; otherwise our claim is part of the current assignment, as
     when peers that joined together re-check once all their claims are visible (every one of them
     then computes the same plan, so a doubled path is resolved by exactly the peers the plan moves)."""
-    current = current_assignment(manifest, claims, exclude=me if joining else None)
-    current = Assignment(
-        {p: k for p, k in current.path_of_peer.items() if p in snapshot.peer_ids}, current.n_paths
-    )
-    result = replan(current, snapshot, seed=seed, min_gain=manifest.scheduler.replan_min_gain)
+    _, result = replan_claims(manifest, snapshot, claims, seed, exclude=me if joining else None)
     path = result.assignment.path_of_peer.get(me)
     logger.info(
         f"plan: path {path} for us; round {result.cost.round_seconds:.3f}s "

@@ -128,7 +128,7 @@ class Inbox:
         #: the highest round another holder announced per fragment (a hint that we fell behind)
         self.seen_ahead: dict[tuple[str, int], int] = {}
         #: per fragment, holder -> the last round of ours over when its part for it came (a holder
-        #: behind us; bounded by the holders, as `is_holder` checks before)
+        #: behind us), the `max_senders` latest holders only: keys that held a claim once cannot grow it
         self.came_after: dict[tuple[str, int], dict[str, int]] = {}
         #: module -> holder -> when it last offered us an outer gradient (it is active in the module)
         self.active: dict[str, dict[str, float]] = {}
@@ -238,7 +238,11 @@ class Inbox:
             self.seen_ahead[key] = max(self.seen_ahead.get(key, 0), round_index)
             raise Refused("ahead", f"round {round_index}, ours is {current}")
         if round_index < current:
-            self.came_after.setdefault((module, fragment), {})[sender] = round_index
+            came = self.came_after.setdefault((module, fragment), {})
+            came.pop(sender, None)  # the latest last, so the oldest go first
+            came[sender] = round_index
+            while len(came) > self.max_senders:
+                came.pop(next(iter(came)))
             raise Refused("stale", f"round {round_index} is over (ours is {current})")
         key = (module, fragment, round_index)
         slot = self.slot(key)

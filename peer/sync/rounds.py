@@ -259,9 +259,8 @@ class RoundRunner:
             probe.cancel()
         if all(m in slot.deliveries for m in others):
             self.stragglers.record(loop.time() - started)
-        elif bound is not None:
-            why = StragglerBound.why(bound)
-            self.stragglers.left_out(key, {m for m, w in failed.items() if w == why})
+        elif bound is not None and (late := {m for m, w in failed.items() if w == StragglerBound.why(bound)}):
+            self.stragglers.left_out(key, late)
         return sends
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
