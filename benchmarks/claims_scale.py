@@ -6,7 +6,8 @@ Two halves, both on real hivemind DHT nodes in their own processes:
   a `--grid` run (4x4: 256 paths, 256 shards) in `--storage_nodes` nodes' storage; a peer's reads of
   the shards it needs, the monitor's full poll, the largest reply on the wire;
 * **flood** (benchmarks/claims_scale_flood.py): a live two-peer run's tokens/s while `--flood_keys`
-  fresh keys (10,000) publish claims into its shard, over the window before.
+  fresh keys (10,000) publish claims into its shard, over the window before: an invite run (`flood`,
+  the headline) and an open run, where the keys are newcomers on probation (`flood_open`).
 
 Writes DIR/claims_scale.json, DIR/claims_scale.md and DIR/claims_scale.png. The full run takes about
 15 minutes on two cores; `--claims 2000 --flood_keys 200 --flood_window_seconds 20` is a 3-minute
@@ -69,6 +70,20 @@ def _key(bits: int) -> RSAPrivateKey:
     return key  # pickled back to the parent (RSAPrivateKey has __getstate__)
 
 
+def _flood_rows(f: dict, run: str) -> list[tuple[str, str]]:
+    return [
+        (f"flood, {run}: fresh keys publishing",
+         f"{f['keys']:,} ({f['stores_acknowledged']:,} stores acknowledged)"),
+        (f"flood, {run}: run tokens/s before / during",
+         f"{f['tokens_per_second_before']} / {f['tokens_per_second_during']}"),
+        (f"flood, {run}: run_tokens_ratio", str(f["run_tokens_ratio"])),
+        (f"flood, {run}: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
+        (f"flood, {run}: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
+         + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),
+        (f"flood, {run}: watcher reads that saw both admitted peers", str(f["honest_seen_during_flood"])),
+    ]  # fmt: skip
+
+
 def table(result: dict) -> str:
     s, f = result["scale"], result["flood"]
     rows = [
@@ -82,15 +97,8 @@ def table(result: dict) -> str:
         ("the monitor's poll", f"{s['monitor_seconds']} s ({s['monitor_claims_read']:,} claims read, "
          f"{s['monitor_dht_reads']} DHT reads)"),
         ("largest reply on the wire", f"{s['message_bytes_max']:,} bytes (limit {MESSAGE_LIMIT_BYTES:,})"),
-        ("flood: fresh keys publishing", f"{f['keys']:,} ({f['stores_acknowledged']:,} stores acknowledged)"),
-        ("flood: run tokens/s before / during",
-         f"{f['tokens_per_second_before']} / {f['tokens_per_second_during']}"),
-        ("flood: run_tokens_ratio", str(f["run_tokens_ratio"])),
-        ("flood: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
-        ("flood: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
-         + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),
-        ("flood: watcher reads that saw both admitted peers", str(f["honest_seen_during_flood"])),
     ]  # fmt: skip
+    rows += _flood_rows(f, "invite run") + _flood_rows(result["flood_open"], "open run")
     lines = ["| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)]
     return "\n".join(lines) + f"\n\nCommand: `{result['command']}` ({result['seconds']:.0f} s)\n"
 
@@ -107,9 +115,15 @@ def plot(result: dict, path: Path) -> None:
     a.bar(names, [s["read_seconds_p95"], s["module_read_seconds_p95"], s["monitor_seconds"]])
     a.set_ylabel("seconds")
     a.set_title(f"{s['claims']:,} claims in {s['shards']} shards")
-    b.bar(["before", "during flood"], [f["tokens_per_second_before"], f["tokens_per_second_during"]])
+    o = result["flood_open"]
+    xs = ["invite run\nbefore", "invite run\nduring", "open run\nbefore", "open run\nduring"]
+    ys = [f["tokens_per_second_before"], f["tokens_per_second_during"], o["tokens_per_second_before"],
+          o["tokens_per_second_during"]]  # fmt: skip
+    b.bar(xs, ys, color=["C0", "C1", "C0", "C1"])
     b.set_ylabel("run tokens/s")
-    b.set_title(f"{f['keys']:,} fresh keys publishing: ratio {f['run_tokens_ratio']}")
+    b.set_title(
+        f"{f['keys']:,} fresh keys publishing: ratio {f['run_tokens_ratio']} / {o['run_tokens_ratio']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -129,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     m = RunManifest(name="claimsscale", model=args.model, seq_len=32)
     scale = measure_scale(args, creator, m, sign_manifest(m, creator), keys)
     print(f"scale: {scale}", flush=True)
-    flood = measure_flood(args, args.out / "flood_run", flood_keys)
-    print(f"flood: {flood}", flush=True)
+    flood = measure_flood(args, args.out / "flood_run", flood_keys, "invite")
+    print(f"flood (invite run): {flood}", flush=True)
+    flood_open = measure_flood(args, args.out / "flood_open_run", flood_keys, "open")
+    print(f"flood (open run): {flood_open}", flush=True)
     command = "python -m benchmarks.claims_scale " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         **{k: scale[k] for k in ("claims", "read_seconds_p95", "monitor_seconds", "message_bytes_max")},
-        "flood": flood, "scale": scale, "max_claims_per_shard": MAX_CLAIMS_PER_SHARD,
+        "flood": flood, "flood_open": flood_open, "scale": scale,
+        "max_claims_per_shard": MAX_CLAIMS_PER_SHARD,
         "max_claim_bytes": MAX_CLAIM_BYTES, "message_limit_bytes": MESSAGE_LIMIT_BYTES,
         "command": command, "seconds": round(time.perf_counter() - started, 1),
     }  # fmt: skip

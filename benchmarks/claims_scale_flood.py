@@ -89,9 +89,13 @@ def _rate(found: list[list[dict]], start: float, end: float) -> float:
     return sum(tokens_at(h, end) - tokens_at(h, start) for h in found) / (end - start)
 
 
-def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPrivateKey]) -> dict:
+def measure_flood(
+    args: argparse.Namespace, folder: Path, flood_keys: list[RSAPrivateKey], mode: str = "invite"
+) -> dict:
+    """The flood into a run whose manifest admits keys by `mode` (its two peers admitted either way:
+    in an open run the flood's keys are newcomers on probation, in an invite run strangers)."""
     creator, run_args = RSAPrivateKey(), _run_args(args)
-    manifest = make_manifest(run_args, "claimsflood", admission=AdmissionConfig(mode="invite"))
+    manifest = make_manifest(run_args, "claimsflood", admission=AdmissionConfig(mode=mode))
     record = sign_manifest(manifest, creator)
     folder.mkdir(parents=True, exist_ok=True)
     save_record(record, folder / "manifest.json")
@@ -173,7 +177,7 @@ def measure_flood(args: argparse.Namespace, folder: Path, flood_keys: list[RSAPr
         "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
         "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
-        "peers_alive_after": alive, "run": run, "tokens_measured_by": measured_by,
+        "peers_alive_after": alive, "run": run, "admission": mode, "tokens_measured_by": measured_by,
         # cores used on average in each window, by the run's processes and by the flood's publishers
         "cores_before": _cores(cpu[0], cpu[1], groups), "cores_during": _cores(cpu[1], cpu[2], groups),
         "machine_cores": psutil.cpu_count(),

@@ -116,6 +116,7 @@ def start_dht(
     public: bool = False,
     remember_validations: bool = True,
     admitted: Admitted | None = None,
+    admitted_only: bool = False,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given).
 
@@ -126,14 +127,19 @@ def start_dht(
     relay service (4 GiB, 30 minutes) only once AutoNAT finds the node public, which a small swarm
     may never confirm. `remember_validations=False` checks every record in full each time it
     arrives, as hivemind does (benchmarks/dht_scale.py measures both). `admitted(peer_id, token)`:
-    the run's admission check, whose admitted peers' claims this node keeps first in a full shard.
+    the run's admission check, whose admitted peers' claims this node keeps first in a full shard;
+    with `admitted_only` (an invite run) it keeps no others.
     """
     # before anything is made (an identity file, the daemon): a wrong address is the user's to fix
     initial_peers = check_maddrs(initial_peers, "--initial_peers", peer_ids=True)
     key, identity_file = load_identity(identity_path)
     validators: list = [RSASignatureValidator(key)]
     if run_name is not None:
-        validators.append(RecordSchemaValidator(run_name, run_id, max_record_ttl_seconds, admitted))
+        validators.append(
+            RecordSchemaValidator(
+                run_name, run_id, max_record_ttl_seconds, admitted, admitted_only=admitted_only
+            )
+        )
     kwargs = dict(
         host_maddrs=check_maddrs(host_maddrs, "--host_maddrs"),
         announce_maddrs=check_maddrs(announce_maddrs, "--announce_maddrs") or None,

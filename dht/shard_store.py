@@ -11,7 +11,12 @@ at a full key, the node keeps the higher ranked of it and its lowest ranked reco
 2. then by a hash of the owner key salted with a secret this node draws at start, so each node keeps
    a different sample of the rest and nobody can choose a key that wins everywhere.
 
-An owner already stored always renews its record. hivemind's storage has no hook for this, so the
+An owner already stored always renews its record. In an invite run (`admitted_only`) no key takes
+part without the creator's admission, so a node keeps no record whose owner it does not admit: a
+flood of free keys then costs each node a signature check per store, not a full shard that every
+find of the key carries back (hivemind's store traverses with finds) and every reader checks again.
+
+hivemind's storage has no hook for this, so the
 node's storage class is wrapped once at import (as dht/node.py wraps the DHT process); the limits
 live in this module because validators and storage meet only inside the DHT process.
 """
@@ -38,10 +43,15 @@ MAX_REMEMBERED_RANKS = 65536
 class SubkeyCap:
     """At most `cap` records per key among `keys`, ranked as the module docstring says."""
 
-    def __init__(self, keys: list[bytes], cap: int, admitted: Admitted | None = None):
+    def __init__(
+        self, keys: list[bytes], cap: int, admitted: Admitted | None = None, admitted_only: bool = False
+    ):
+        if admitted_only and admitted is None:
+            raise ValueError("admitted_only needs the run's admission check (admitted)")
         self.keys = {DHTID.from_bytes(k) for k in keys}
         self.cap = cap
         self.admitted = admitted
+        self.admitted_only = admitted_only
         self._salt = os.urandom(16)
         self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
         #: per stored dictionary (a node's storage and its cache each hold one per key, and a key that
@@ -77,6 +87,8 @@ class SubkeyCap:
         full key comes from a heap kept per stored dictionary, so a store costs O(log cap) amortized:
         a scan of the key's records on every store took most of a storage node's CPU under a flood."""
         new = self.rank(key, subkey, value)
+        if self.admitted_only and not new[0]:
+            return False
         if subkey in entries or len(entries) < self.cap:
             self._push(key, entries, new, subkey)
             return True
@@ -116,10 +128,17 @@ class SubkeyCap:
             heap = None
         return None, None
 
+    def keeps_first(self, key: DHTID, subkey, value: bytes) -> bool:
+        """Whether the first record of an empty key may be stored (not, in an invite run, a stranger's)."""
+        return not self.admitted_only or self.rank(key, subkey, value)[0]
+
     def trimmed(self, key: DHTID, entries: DictionaryDHTValue) -> DictionaryDHTValue:
-        """`entries` cut to the `cap` highest ranked (a whole dictionary stored at once, e.g. cached)."""
+        """`entries` cut to the `cap` highest ranked (a whole dictionary stored at once, e.g. cached),
+        without strangers' records where only admitted ones are kept."""
         items = list(entries.items())
-        if len(items) <= self.cap:
+        if self.admitted_only:
+            items = [(s, item) for s, item in items if self._known_rank(key, s, item.value)[0]]
+        elif len(items) <= self.cap:
             return entries
         items.sort(key=lambda kv: self._known_rank(key, kv[0], kv[1].value), reverse=True)
         out = DictionaryDHTValue()
@@ -149,6 +168,8 @@ def _capped_store_subkey(store_subkey):
             if current is not None and isinstance(current.value, DictionaryDHTValue):
                 if not cap.make_room(key, current.value, subkey, value):
                     return False
+            elif not cap.keeps_first(key, subkey, value):
+                return False
         return store_subkey(self, key, subkey, value, expiration_time)
 
     patched.pathswarm_capped = True
@@ -160,6 +181,8 @@ def _capped_store(store):
         cap = _CAPS.get(key)
         if cap is not None and subkey is None and isinstance(value, DictionaryDHTValue):
             value = cap.trimmed(key, value)
+            if len(value) == 0:
+                return False
         return store(self, key, value, expiration_time, subkey)
 
     patched.pathswarm_capped = True

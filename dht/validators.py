@@ -8,7 +8,8 @@ signed by that peer's own key. A claim has caps of its own, each checked before 
 `MAX_CLAIM_BYTES` long, an owner key of at most `MAX_OWNER_SUBKEY_BYTES`, at most
 `MAX_CLAIM_EXTRA_FIELDS` fields this release does not know, short module ids (the schema), a lifetime
 of at most `MAX_CLAIM_TTL_SECONDS`, and stored under the shard of its own path; the validator also
-caps how many claims a node keeps per shard (dht/shard_store.py). Both run inside the DHT process on
+caps how many claims a node keeps per shard, and in an invite run keeps none without admission
+(dht/shard_store.py). Both run inside the DHT process on
 every store and on every record a get returns, so forged or malformed records never reach the peer.
 """
 
@@ -57,7 +58,8 @@ class RecordSchemaValidator(RecordValidatorBase):
     `admitted(peer_id, token)` (the run's `AdmissionCheck.admitted`, where the manifest is known)
     ranks claims from admitted peers first when a node must choose which claims of a shard it keeps
     (at most `max_claims_per_shard`: tests flood a smaller shard; `max_claim_ttl_seconds`: the
-    claims_scale benchmark publishes 100,000 claims once, which two cores cannot renew every minute)."""
+    claims_scale benchmark publishes 100,000 claims once, which two cores cannot renew every minute).
+    `admitted_only` (an invite run): a node stores no claim whose admission `admitted` refuses."""
 
     def __init__(
         self,
@@ -67,10 +69,12 @@ class RecordSchemaValidator(RecordValidatorBase):
         admitted: Admitted | None = None,
         max_claims_per_shard: int = MAX_CLAIMS_PER_SHARD,
         max_claim_ttl_seconds: float = MAX_CLAIM_TTL_SECONDS,
+        admitted_only: bool = False,
     ):
         self.max_ttl_seconds = max_ttl_seconds
         self.max_claim_ttl_seconds = max_claim_ttl_seconds
         self.admitted = admitted
+        self.admitted_only = admitted_only
         self.max_claims_per_shard = max_claims_per_shard
         self._schema_by_key = {}
         self._shard_by_key: dict[bytes, int] = {}
@@ -85,7 +89,10 @@ class RecordSchemaValidator(RecordValidatorBase):
 
     def _cap_claims(self) -> None:
         if self._shard_by_key:
-            cap_keys(SubkeyCap(list(self._shard_by_key), self.max_claims_per_shard, self.admitted))
+            cap = SubkeyCap(
+                list(self._shard_by_key), self.max_claims_per_shard, self.admitted, self.admitted_only
+            )
+            cap_keys(cap)
 
     def __setstate__(self, state: dict) -> None:
         # sent to the DHT process by `add_validators`: its storage caps the claim shards there
@@ -153,6 +160,7 @@ class RecordSchemaValidator(RecordValidatorBase):
         self._schema_by_key.update(other._schema_by_key)
         self._shard_by_key.update(other._shard_by_key)
         self.admitted = other.admitted or self.admitted
+        self.admitted_only = other.admitted_only or self.admitted_only
         self.max_ttl_seconds = min(self.max_ttl_seconds, other.max_ttl_seconds)
         self.max_claim_ttl_seconds = min(self.max_claim_ttl_seconds, other.max_claim_ttl_seconds)
         return True

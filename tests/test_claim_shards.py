@@ -126,11 +126,34 @@ def test_in_an_invite_run_a_peers_claim_view_holds_no_claim_of_a_key_without_adm
         for key in honest:
             token = sign_admission(creator, run_id, peer_id_of_key(key), "invite")
             assert publish(swarm.flooder, run, run_id, key, claim(key, 0, token))
-        # the flood's claims are stored (the shard has room): only the reader leaves them out, as a
+        # these nodes do not know the run admits invited keys only (as a node without its manifest),
+        # so the flood's claims are stored (the shard has room): the reader leaves them out, as a
         # peer of an invite run does (ClaimView.of_run), so no averaging group waits for them
         assert len(live_claims(swarm.reader, run, run_id, GRID.n_paths, check.admitted)) == CAP
         invite_view = ClaimView(run, run_id, range(GRID.n_paths), check.admitted, only_admitted=True)
         assert set(invite_view.update(swarm.reader)) == {peer_id_of_key(k) for k in honest}
+
+
+def test_in_an_invite_run_storage_nodes_refuse_every_claim_without_its_owners_admission():
+    run, creator = "shardinviteonly", RSAPrivateKey()
+    run_id = "d4" * 32
+    check = AdmissionCheck(run_id, creator.get_public_key().to_bytes())
+    honest = [RSAPrivateKey() for _ in range(2)]
+    flood = [RSAPrivateKey() for _ in range(2 * CAP)]
+    schema = RecordSchemaValidator(
+        run, run_id, admitted=check.admitted, max_claims_per_shard=CAP, admitted_only=True
+    )
+    with Swarm(schema, honest + flood) as swarm:
+        assert not any(publish(swarm.flooder, run, run_id, key, claim(key, 0)) for key in flood)
+        tokens = [sign_admission(creator, run_id, peer_id_of_key(key), "invite") for key in honest]
+        for key, token in zip(honest, tokens, strict=True):
+            assert publish(swarm.flooder, run, run_id, key, claim(key, 0, token))
+        # an admitted peer's token names that peer: a stranger carrying it is still a stranger
+        assert not publish(swarm.flooder, run, run_id, flood[0], claim(flood[0], 0, tokens[0]))
+        seen = live_claims(swarm.reader, run, run_id, GRID.n_paths, check.admitted)
+        assert set(seen) == {peer_id_of_key(k) for k in honest}
+        replies = reply_sizes(swarm.reader, claims_key(run, run_id, 0))
+        assert replies and max(records for _, records in replies) == len(honest)
 
 
 def test_the_monitor_reads_every_claim_shard_of_its_run():

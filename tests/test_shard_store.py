@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DHTLocalStorage
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from dht.keys import claim_shard, claims_key
 from dht.shard_store import SubkeyCap, cap_keys
 
 KEY = b"a claim shard"
@@ -111,3 +112,52 @@ def test_a_nodes_storage_and_its_cache_under_one_cap_each_keep_their_own_best():
     assert put(storage, newcomer)
     kept = {s for s, _ in storage.get(key).value.items()}
     assert newcomer[0] in kept and owners[0][0] not in kept and len(kept) == CAP
+
+
+def test_in_an_invite_run_a_node_keeps_no_record_whose_owner_it_does_not_admit():
+    key = DHTID.generate(source=KEY)
+    cap_keys(SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", admitted_only=True))
+    storage, expiry = DHTLocalStorage(), get_dht_time() + 600
+    # not as the first record of an empty key, not into a key with room
+    assert not storage.store_subkey(key, b"stranger0", record("Qs0", False), expiry)
+    assert storage.get(key) is None
+    assert storage.store_subkey(key, b"member0", record("Qm0", True), expiry)
+    assert not storage.store_subkey(key, b"stranger1", record("Qs1", False), expiry)
+    assert {s for s, _ in storage.get(key).value.items()} == {b"member0"}
+    # nor inside a whole dictionary stored at once (what a reader caches on a node)
+    mixed = DictionaryDHTValue()
+    mixed.store(b"member1", record("Qm1", True), expiry)
+    mixed.store(b"stranger2", record("Qs2", False), expiry)
+    cache = DHTLocalStorage()
+    assert cache.store(key, mixed, expiry)
+    assert {s for s, _ in cache.get(key).value.items()} == {b"member1"}
+    strangers = DictionaryDHTValue()
+    strangers.store(b"stranger3", record("Qs3", False), expiry)
+    assert not DHTLocalStorage().store(key, strangers, expiry)
+
+
+def test_an_invite_runs_nodes_keep_only_admitted_claims_and_an_open_runs_keep_every_claim():
+    import pickle
+
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from dht.identity import peer_id_of_key
+    from dht.schema import ClaimRecord
+    from peer.config import AdmissionConfig, RunManifest
+    from peer.model.grid import ModelConfig, path_from_index, path_module_ids
+    from peer.run.admission import run_validator
+    from peer.run.record import sign_manifest
+
+    cfg, stranger = ModelConfig(n_levels=1, modules_per_level=1), RSAPrivateKey()
+    claim = ClaimRecord(
+        peer_id=peer_id_of_key(stranger), path=0, modules=path_module_ids(cfg, path_from_index(cfg, 0))
+    )
+    for mode, kept in (("invite", False), ("open", True)):
+        manifest = RunManifest(
+            name=f"only{mode}", model=cfg, seq_len=32, admission=AdmissionConfig(mode=mode)
+        )
+        record = sign_manifest(manifest, RSAPrivateKey())
+        pickle.loads(pickle.dumps(run_validator(record, manifest.name)))  # as a DHT process receives it
+        key = DHTID.generate(source=claims_key(manifest.name, record.run_id, claim_shard(0)))
+        value = MSGPackSerializer.dumps(claim.model_dump())
+        assert DHTLocalStorage().store_subkey(key, b"stranger", value, get_dht_time() + 60) is kept, mode

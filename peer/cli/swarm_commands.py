@@ -83,7 +83,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from dht.node import start_dht, visible_maddrs
     from dht.relay_check import prefer_configured_relay, start_relaying_dht
-    from peer.run.admission import AdmissionCheck
+    from peer.run.admission import AdmissionCheck, invite_only
     from peer.run.record import load_verified_manifest
     from peer.swarm.manifest import publish_record
 
@@ -103,6 +103,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             run_name=manifest.name if manifest is not None else None,
             run_id=record.run_id if record is not None else None,
             admitted=AdmissionCheck.of(record).admitted if record is not None else None,
+            admitted_only=record is not None and invite_only(record),
         )
 
     # peers behind NAT relay through their initial peers, so a bootstrap node checks its relay first

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dht.identity import peer_id_of_owner
 from dht.schema import MAX_ADMISSION_TOKEN_CHARS, ManifestRecord
 from dht.validators import RecordSchemaValidator
+from peer.config import RunManifest
 
 
 class Admission(BaseModel):
@@ -136,7 +137,15 @@ def solve_pow(run_id: str, peer_id: str, bits: int) -> int:
     return nonce
 
 
+def invite_only(record: ManifestRecord) -> bool:
+    """Whether the run of a verified manifest `record` admits invited keys only."""
+    return RunManifest.model_validate_json(record.manifest_json).admission.mode == "invite"
+
+
 def run_validator(record: ManifestRecord, run_name: str) -> RecordSchemaValidator:
     """The validator of a run's records for a node that verified its manifest `record`: its claim
-    shards keep admitted peers' claims first when full."""
-    return RecordSchemaValidator(run_name, record.run_id, admitted=AdmissionCheck.of(record).admitted)
+    shards keep admitted peers' claims first when full, and in an invite run no others at all."""
+    check = AdmissionCheck.of(record)
+    return RecordSchemaValidator(
+        run_name, record.run_id, admitted=check.admitted, admitted_only=invite_only(record)
+    )

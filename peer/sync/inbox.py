@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +161,26 @@ class Inbox:
         now = time.monotonic()
         recent = dict(self.active.get(module, {})).items()
         return [p for p, t in recent if now - t <= within_seconds and self.is_holder(p, module)]
+
+    def unproven(self, peers: Iterable[str], within_seconds: float, module: str | None = None) -> list[str]:
+        """Which of `peers` (holders by their claims) neither have standing nor offered us a part (of
+        `module`, or of any module) lately: a claim costs a free key nothing, so nothing yet says they
+        are peers at all."""
+        modules = [module] if module is not None else list(self.active)
+        recent: dict[str, float] = {}
+        for m in modules:
+            for p, t in list(self.active.get(m, {}).items()):
+                recent[p] = max(t, recent.get(p, -math.inf))
+        now = time.monotonic()
+        return sorted(
+            p
+            for p in set(peers)
+            if now - recent.get(p, -math.inf) > within_seconds and not self.standing.admitted(p)
+        )
+
+    def heard(self, peers: Iterable[str], within_seconds: float) -> list[str]:
+        """`peers` less the `unproven` ones (of any module)."""
+        return sorted(set(peers) - set(self.unproven(peers, within_seconds)))
 
     def slot(self, key: Key) -> _Slot:
         if key not in self._slots:

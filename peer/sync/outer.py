@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,6 +75,15 @@ class PendingSync:
 #: rounds end, so that the training thread only installs them: on a peer whose training thread
 #: has a fixed budget (an accelerator's host thread, the WAN lab's quota) this work is overlapped
 #: with inner steps like the round's communication is.
+#: holders on probation that never offered us a part, asked into one round of a module at most (a
+#: sample, new each round): claims are free, and a flood of them made every round dial hundreds of
+#: keys that never answer (benchmarks/claims_scale.py, open run). A real newcomer is in our rounds as
+#: soon as its first part reaches us, and it sends one to every member with standing at once.
+MAX_UNPROVEN_MEMBERS = 8
+#: a holder is heard from while its last part is this many averaging timeouts old at most: a slow
+#: peer's rounds may be minutes apart, and a key that never sends a part gains nothing from the length
+HEARD_WITHIN_TIMEOUTS = 5
+
 _STEP_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-step")
 
 
@@ -191,6 +201,7 @@ class StreamingOuter:
         self.syncs = syncs
         self.runner = runner
         self.copies = copies
+        self._sample = random.Random()  # which unproven holders a round tries: nobody can predict it
         self.codec = runner.codec if runner is not None else make_codec(manifest.sync.codec)
         self.group_of = group_of
         self.round_of = round_of
@@ -236,16 +247,20 @@ class StreamingOuter:
         return done
 
     def members_of(self, mid: str, holders: dict[str, list[str]]) -> list[str]:
-        """This round's group of a module: our planned subgroup, or every ready holder (us included)."""
+        """This round's group of a module: our planned subgroup, or every ready holder (us included),
+        less all but `MAX_UNPROVEN_MEMBERS` of those with neither standing nor a part offered lately."""
         round_index = self.round_of() if self.round_of else 0
         group = self.group_of(mid, round_index) if self.group_of else None
         members = group[1] if group is not None else holders.get(mid, [])
-        if group is None and self.runner is not None:
-            # holders that offered us outer gradients lately are active, whatever the claim view says
-            members = [
-                *members,
-                *self.runner.service.inbox.active_holders(mid, self.sync.averaging_timeout_seconds),
-            ]
+        if self.runner is not None:
+            inbox, within = self.runner.service.inbox, self.sync.averaging_timeout_seconds
+            if group is None:
+                # holders that offered us outer gradients lately are active, whatever the claim view says
+                members = [*members, *inbox.active_holders(mid, within)]
+            heard_within = HEARD_WITHIN_TIMEOUTS * within
+            unproven = inbox.unproven([m for m in members if m != self.peer_id], heard_within, mid)
+            tried = self._sample.sample(unproven, min(MAX_UNPROVEN_MEMBERS, len(unproven)))
+            members = [m for m in members if m not in set(unproven) - set(tried)]
         return sorted(set(members) | {self.peer_id})
 
     def _start(self, fragment: int, tokens_total: int, holders) -> list[tuple[ModuleSync, int, str]]:

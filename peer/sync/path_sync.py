@@ -35,6 +35,7 @@ from peer.sync.hello import ClaimRefresh, install_hello_handler, say_hello
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
+from peer.sync.outer import HEARD_WITHIN_TIMEOUTS as HEARD
 from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.sent_rounds import SentRounds
@@ -241,8 +242,11 @@ class PathSync:
             result.bad_parts = {r: n for r, n in refused.items() if r in HOSTILE_REASONS}
         level, mid = settle(ms, result), ms.module_id
         if result.dropped:
-            # a member that announced it is leaving is an expected absence, not a fault
-            gone = all(why == LEFT for why in result.dropped.values())
+            # a member that announced it is leaving is an expected absence, not a fault; so is a
+            # claimant never heard from (a sample of them is tried each round: outer.MAX_UNPROVEN_MEMBERS)
+            within = HEARD * self.manifest.sync.averaging_timeout_seconds
+            unheard = set(self.service.inbox.unproven(result.dropped, within))
+            gone = all(why == LEFT or m in unheard for m, why in result.dropped.items())
             logger.log(
                 logging.INFO if gone else level,
                 f"{mid} fragment {fragment}: left out of the average: {result.dropped}",
@@ -329,8 +333,12 @@ class PathSync:
     def say_bye(self, modules: list[str], holders: dict[str, list[str]], timeout: float = 3.0) -> None:
         """Tells the other holders of `modules` that we stop holding them now (we move to another path,
         or leave), so that their rounds do not wait for us; best effort, at most `timeout`."""
-        peers = sorted({p for m in modules for p in holders.get(m, []) if p != self.peer_id})
-        if self.service is None or not peers or not modules:
+        if self.service is None or not modules:
+            return
+        # heard-from holders only (`Inbox.unproven`): a flood of claims must not make a leave dial every key
+        peers = {p for m in modules for p in holders.get(m, []) if p != self.peer_id}
+        peers = self.service.inbox.heard(peers, HEARD * self.manifest.sync.averaging_timeout_seconds)
+        if not peers:
             return
         frames = [wire.pack_header(Kind.BYE, wire.Bye(run=self.service.run, modules=modules))]
         self.service.request_each(peers, frames, timeout)
@@ -338,8 +346,11 @@ class PathSync:
     def say_hello(self, holders: dict[str, list[str]], timeout: float) -> bool:
         """Tells the other holders of our modules (we just moved here) to read our claim; whether all
         of them saw it within `timeout` (then our first sync here need not wait for their heartbeats)."""
-        peers = sorted({p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id})
-        if self.service is None or not peers:
+        if self.service is None:
+            return True
+        peers = {p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id}
+        peers = self.service.inbox.heard(peers, HEARD * self.manifest.sync.averaging_timeout_seconds)
+        if not peers:
             return True
         return set(say_hello(self.service, sorted(self.syncs), peers, timeout)) == set(peers)
 

@@ -1,0 +1,77 @@
+"""A flood of claims does not make every round dial every claimant: holders with neither standing nor
+a part offered lately are tried a few per round (`peer.sync.outer.MAX_UNPROVEN_MEMBERS`), on real
+members over real DHT nodes and P2P streams."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.identity import peer_id_of_key
+from monitoring.metrics import PeerMetrics
+from peer.config import RunManifest, SyncConfig
+from peer.model.grid import ModelConfig
+from peer.sync.outer import MAX_UNPROVEN_MEMBERS, StreamingOuter
+from tests.sync_members import MODULE, sync_group
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+NUMEL = 64
+#: free keys whose claims name them holders of the module; no peer runs behind any of them
+FLOOD = 3 * MAX_UNPROVEN_MEMBERS
+
+
+def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders_average(dht_factory):
+    fakes = [peer_id_of_key(RSAPrivateKey()) for _ in range(FLOOD)]
+    manifest = RunManifest(
+        name="t", model=ModelConfig(), seq_len=32, sync=SyncConfig(averaging_timeout_seconds=10)
+    )
+    # member 0 is admitted, member 1 on probation: it counts once its first part reached member 0
+    with sync_group(dht_factory, 2, NUMEL, admitted=[0], averaging_timeout=10.0) as members:
+        ids = [m.peer_id for m in members]
+        holders = {MODULE: [*ids, *fakes]}
+        loops = [
+            StreamingOuter({}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
+            for m in members
+        ]
+        tried: set[str] = set()
+        together = 0
+        for round_index in range(4):
+            groups = [loop.members_of(MODULE, holders) for loop in loops]
+            for group in groups:
+                # member 0 may try member 1 (not heard from yet) in place of a fake
+                assert MAX_UNPROVEN_MEMBERS - 1 <= len(set(group) & set(fakes)) <= MAX_UNPROVEN_MEMBERS
+                tried |= set(group) & set(fakes)
+            assert ids[0] in groups[1]  # standing: always a member
+            for m in members:  # as the peer's schedule does before each round of the fragment
+                m.service.inbox.set_current(MODULE, 0, round_index)
+            started = time.monotonic()
+            deltas = [torch.full((NUMEL,), float(i + 1)) for i in range(2)]
+            futures = [
+                m.runner.start((MODULE, 0, round_index), d, 1.0, g, "0" * 64)
+                for m, d, g in zip(members, deltas, groups, strict=True)
+            ]
+            results = [f.result(timeout=60) for f in futures]
+            if ids[1] not in groups[0]:
+                # member 0 left member 1 out of this round (neither heard from nor in its sample): a
+                # newcomer's first round under a flood may be its own, and its part makes it heard
+                continue
+            together += 1
+            # the fakes fail at once (nobody answers for them): the round does not wait them out
+            took = time.monotonic() - started
+            assert took < 8.0, (took, [(r.outcome, r.members, r.dropped) for r in results])
+            for r in results:
+                assert r.outcome == "averaged" and sorted(r.members) == sorted(ids), (
+                    r.outcome,
+                    r.members,
+                    r.dropped,
+                )
+                assert set(r.dropped) <= set(fakes) and len(r.dropped) <= MAX_UNPROVEN_MEMBERS
+            assert torch.equal(results[0].delta, results[1].delta)
+        # once member 1's part reached member 0 it is always a member there: its rounds are shared
+        assert together >= 3
+        # a new sample each round: every claimant gets its turn, so a real newcomer is reached
+        assert len(tried) > MAX_UNPROVEN_MEMBERS
