@@ -74,9 +74,10 @@ def _flood_rows(f: dict, run: str) -> list[tuple[str, str]]:
     return [
         (f"flood, {run}: fresh keys publishing",
          f"{f['keys']:,} ({f['stores_acknowledged']:,} stores acknowledged)"),
-        (f"flood, {run}: run tokens/s before / during",
-         f"{f['tokens_per_second_before']} / {f['tokens_per_second_during']}"),
-        (f"flood, {run}: run_tokens_ratio", str(f["run_tokens_ratio"])),
+        (f"flood, {run}: run tokens/s before / during / after",
+         "{tokens_per_second_before} / {tokens_per_second_during} / {tokens_per_second_after}".format(**f)),
+        (f"flood, {run}: run_tokens_ratio (during / mean of before and after; to before alone)",
+         f"{f['run_tokens_ratio']} ({f['run_tokens_ratio_to_before']})"),
         (f"flood, {run}: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
         (f"flood, {run}: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
          + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),
@@ -116,10 +117,10 @@ def plot(result: dict, path: Path) -> None:
     a.set_ylabel("seconds")
     a.set_title(f"{s['claims']:,} claims in {s['shards']} shards")
     o = result["flood_open"]
-    xs = ["invite run\nbefore", "invite run\nduring", "open run\nbefore", "open run\nduring"]
-    ys = [f["tokens_per_second_before"], f["tokens_per_second_during"], o["tokens_per_second_before"],
-          o["tokens_per_second_during"]]  # fmt: skip
-    b.bar(xs, ys, color=["C0", "C1", "C0", "C1"])
+    windows = ("before", "during", "after")
+    xs = [f"{run}\n{w}" for run in ("invite", "open") for w in windows]
+    ys = [r[f"tokens_per_second_{w}"] for r in (f, o) for w in windows]
+    b.bar(xs, ys, color=["C0", "C1", "C0"] * 2)
     b.set_ylabel("run tokens/s")
     b.set_title(
         f"{f['keys']:,} fresh keys publishing: ratio {f['run_tokens_ratio']} / {o['run_tokens_ratio']}"

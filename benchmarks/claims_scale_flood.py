@@ -8,8 +8,10 @@ tokens at each round's end); a watcher node reads the run's claims every `POLL_S
 After a window of training alone, two client-mode publishers (started before it) store one claim
 for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
 over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
-every cap of a run. `run_tokens_ratio` is the peers' tokens/s in the flood
-window over the window before; `honest_seen_during_flood` is the share of the watcher's reads in
+every cap of a run, and the run trains alone for a window as long again. `run_tokens_ratio` is the
+peers' tokens/s in the flood window over the mean of the windows before and after it (a drift of the
+run's own rate would otherwise count as the flood's; `run_tokens_ratio_to_before` beside it);
+`honest_seen_during_flood` is the share of the watcher's reads in
 the flood window that still saw both admitted peers.
 """
 
@@ -159,6 +161,10 @@ def measure_flood(
             stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))
             cpu.append(_cpu_snapshot(groups))
+            # the run alone again, as long: a drift of the run's own rate shows in before against after
+            after = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
+            walls.append(time.time() + args.flood_window_seconds)
+            sleep_polling(args.flood_window_seconds)
             alive = all(swarm.alive(n) for n in PEERS)
         finally:
             for node in publishers:
@@ -166,16 +172,20 @@ def measure_flood(
             watcher.shutdown()
     try:  # the peers' own round history (tokens at each round's end), written at their exit
         found = [h for h, _ in histories(folder, list(PEERS)).values()]
-        tps_before, tps_flood = (_rate(found, a, b) for a, b in zip(walls, walls[1:], strict=False))
+        windows = zip(walls, walls[1:], strict=False)
+        tps_before, tps_flood, tps_after = (_rate(found, a, b) for a, b in windows)
         measured_by = "round history"
     except (RuntimeError, ValueError, KeyError):  # too few rounds in a window: the claims' counters
-        tps_before, tps_flood = _tokens_per_second(samples, *before), _tokens_per_second(samples, *flood)
+        tps_before, tps_flood, tps_after = (_tokens_per_second(samples, *w) for w in (before, flood, after))
         measured_by = "claims"
     during = [both for t, both in seen_both if flood[0] <= t <= flood[1]]
     return {
         "keys": len(flood_keys), "stores_acknowledged": stored, "window_seconds": args.flood_window_seconds,
         "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
-        "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
+        "tokens_per_second_after": round(tps_after, 1),
+        # during over the run alone, before and after it together (baselines at both ends)
+        "run_tokens_ratio": round(2 * tps_flood / (tps_before + tps_after), 3) if tps_before else None,
+        "run_tokens_ratio_to_before": round(tps_flood / tps_before, 3) if tps_before else None,
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
         "peers_alive_after": alive, "run": run, "admission": mode, "tokens_measured_by": measured_by,
         # cores used on average in each window, by the run's processes and by the flood's publishers

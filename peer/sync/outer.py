@@ -71,19 +71,19 @@ class PendingSync:
     prepared: dict[str, Future] = field(default_factory=dict)
 
 
-#: One thread, shared by every path of the process, computes outer steps and their digests when
-#: rounds end, so that the training thread only installs them: on a peer whose training thread
-#: has a fixed budget (an accelerator's host thread, the WAN lab's quota) this work is overlapped
-#: with inner steps like the round's communication is.
-#: holders on probation that never offered us a part, asked into one round of a module at most (a
-#: sample, new each round): claims are free, and a flood of them made every round dial hundreds of
-#: keys that never answer (benchmarks/claims_scale.py, open run). A real newcomer is in our rounds as
-#: soon as its first part reaches us, and it sends one to every member with standing at once.
+#: holders without standing that offered us no part lately which one round of a module tries at most
+#: (a new random sample each round): claims are free, and a flood of them made every round dial
+#: hundreds of keys that never answer (benchmarks/claims_scale.py, open run). A real newcomer is in
+#: our rounds from its first part on, and it sends one to every member with standing at once.
 MAX_UNPROVEN_MEMBERS = 8
 #: a holder is heard from while its last part is this many averaging timeouts old at most: a slow
 #: peer's rounds may be minutes apart, and a key that never sends a part gains nothing from the length
 HEARD_WITHIN_TIMEOUTS = 5
 
+#: One thread, shared by every path of the process, computes outer steps and their digests when
+#: rounds end, so that the training thread only installs them: on a peer whose training thread
+#: has a fixed budget (an accelerator's host thread, the WAN lab's quota) this work is overlapped
+#: with inner steps like the round's communication is.
 _STEP_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-step")
 
 
