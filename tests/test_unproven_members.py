@@ -75,3 +75,28 @@ def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders
         assert together >= 3
         # a new sample each round: every claimant gets its turn, so a real newcomer is reached
         assert len(tried) > MAX_UNPROVEN_MEMBERS
+
+
+@pytest.mark.timeout(30)
+def test_only_holders_with_standing_or_a_part_lately_count_as_heard_from():
+    """Whom a leaver's BYE and a mover's HELLO go to (`Inbox.heard`): admitted holders, and holders whose
+    part of any module came within the window; never a claimant that only published a claim."""
+    from peer.codecs.formats import make_codec
+    from peer.run.admission import AdmissionCheck, sign_admission
+    from peer.sync.inbox import Inbox
+    from peer.sync.standing import Standing
+    from tests.sync_members import CREATOR, RUN_ID
+
+    admitted, newcomer, claimant = (peer_id_of_key(RSAPrivateKey()) for _ in range(3))
+    tokens = {admitted: sign_admission(CREATOR, RUN_ID, admitted, "invite")}
+    standing = Standing(
+        AdmissionCheck(RUN_ID, CREATOR.get_public_key().to_bytes()), "open", lambda p: tokens.get(p, "")
+    )
+    inbox = Inbox(
+        {MODULE: [16], "trunk": [16]}, make_codec("fp32"), lambda peer, module: True, 8, 0.0, standing
+    )
+    inbox.check_key(newcomer, "trunk", 0, 0)  # its part of another module came: it runs a peer
+    assert inbox.heard([admitted, newcomer, claimant], within_seconds=60) == sorted([admitted, newcomer])
+    assert inbox.unproven([admitted, newcomer, claimant], 60, MODULE) == sorted([newcomer, claimant])
+    time.sleep(0.05)
+    assert inbox.heard([newcomer, claimant], within_seconds=0.01) == []  # a part long ago is not lately
