@@ -76,8 +76,8 @@ def _flood_rows(f: dict, run: str) -> list[tuple[str, str]]:
          f"{f['keys']:,} ({f['stores_acknowledged']:,} stores acknowledged)"),
         (f"flood, {run}: run tokens/s before / during / after",
          "{tokens_per_second_before} / {tokens_per_second_during} / {tokens_per_second_after}".format(**f)),
-        (f"flood, {run}: run_tokens_ratio (during / mean of before and after; to before alone)",
-         f"{f['run_tokens_ratio']} ({f['run_tokens_ratio_to_before']})"),
+        (f"flood, {run}: run_tokens_ratio (during / before; during / mean of before and after)",
+         f"{f['run_tokens_ratio']} ({f['run_tokens_ratio_both_ends']})"),
         (f"flood, {run}: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
         (f"flood, {run}: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
          + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),

@@ -9,8 +9,8 @@ After a window of training alone, two client-mode publishers (started before it)
 for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
 over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
 every cap of a run, and the run trains alone for a window as long again. `run_tokens_ratio` is the
-peers' tokens/s in the flood window over the mean of the windows before and after it (a drift of the
-run's own rate would otherwise count as the flood's; `run_tokens_ratio_to_before` beside it);
+peers' tokens/s in the flood window over the window before; `run_tokens_ratio_both_ends` over the mean
+of the windows before and after it (the run's own rate drifts from minute to minute);
 `honest_seen_during_flood` is the share of the watcher's reads in
 the flood window that still saw both admitted peers.
 """
@@ -183,9 +183,11 @@ def measure_flood(
         "keys": len(flood_keys), "stores_acknowledged": stored, "window_seconds": args.flood_window_seconds,
         "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
         "tokens_per_second_after": round(tps_after, 1),
-        # during over the run alone, before and after it together (baselines at both ends)
-        "run_tokens_ratio": round(2 * tps_flood / (tps_before + tps_after), 3) if tps_before else None,
-        "run_tokens_ratio_to_before": round(tps_flood / tps_before, 3) if tps_before else None,
+        "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
+        # during over the run alone before and after it together (baselines at both ends)
+        "run_tokens_ratio_both_ends": (
+            round(2 * tps_flood / (tps_before + tps_after), 3) if tps_before + tps_after else None
+        ),
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
         "peers_alive_after": alive, "run": run, "admission": mode, "tokens_measured_by": measured_by,
         # cores used on average in each window, by the run's processes and by the flood's publishers
