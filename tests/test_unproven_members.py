@@ -12,10 +12,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.identity import peer_id_of_key
 from monitoring.metrics import PeerMetrics
+from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
 from peer.model.grid import ModelConfig
+from peer.run.admission import AdmissionCheck, sign_admission
+from peer.sync.inbox import Inbox
 from peer.sync.outer import MAX_UNPROVEN_MEMBERS, StreamingOuter
-from tests.sync_members import MODULE, sync_group
+from peer.sync.standing import Standing
+from tests.sync_members import CREATOR, MODULE, RUN_ID, sync_group
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -81,12 +85,6 @@ def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders
 def test_only_holders_with_standing_or_a_part_lately_count_as_heard_from():
     """Whom a leaver's BYE and a mover's HELLO go to (`Inbox.heard`): admitted holders, and holders whose
     part of any module came within the window; never a claimant that only published a claim."""
-    from peer.codecs.formats import make_codec
-    from peer.run.admission import AdmissionCheck, sign_admission
-    from peer.sync.inbox import Inbox
-    from peer.sync.standing import Standing
-    from tests.sync_members import CREATOR, RUN_ID
-
     admitted, newcomer, claimant = (peer_id_of_key(RSAPrivateKey()) for _ in range(3))
     tokens = {admitted: sign_admission(CREATOR, RUN_ID, admitted, "invite")}
     standing = Standing(

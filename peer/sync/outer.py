@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
-from peer.config import RunManifest
+from peer.config import RunManifest, SyncConfig
 from peer.faults import fault_point
 from peer.sync.fragments import fragments_due, sync_offsets
 from peer.sync.merge import ReportedCopies
@@ -79,6 +79,12 @@ MAX_UNPROVEN_MEMBERS = 8
 #: a holder is heard from while its last part is this many averaging timeouts old at most: a slow
 #: peer's rounds may be minutes apart, and a key that never sends a part gains nothing from the length
 HEARD_WITHIN_TIMEOUTS = 5
+
+
+def heard_within(sync: SyncConfig) -> float:
+    """How recent a holder's last part must be for it to count as heard from (`Inbox.unproven`)."""
+    return HEARD_WITHIN_TIMEOUTS * sync.averaging_timeout_seconds
+
 
 #: One thread, shared by every path of the process, computes outer steps and their digests when
 #: rounds end, so that the training thread only installs them: on a peer whose training thread
@@ -257,10 +263,11 @@ class StreamingOuter:
             if group is None:
                 # holders that offered us outer gradients lately are active, whatever the claim view says
                 members = [*members, *inbox.active_holders(mid, within)]
-            heard_within = HEARD_WITHIN_TIMEOUTS * within
-            unproven = inbox.unproven([m for m in members if m != self.peer_id], heard_within, mid)
+            others = [m for m in members if m != self.peer_id]
+            unproven = inbox.unproven(others, heard_within(self.sync), mid)
             tried = self._sample.sample(unproven, min(MAX_UNPROVEN_MEMBERS, len(unproven)))
-            members = [m for m in members if m not in set(unproven) - set(tried)]
+            left_out = set(unproven) - set(tried)
+            members = [m for m in members if m not in left_out]
         return sorted(set(members) | {self.peer_id})
 
     def _start(self, fragment: int, tokens_total: int, holders) -> list[tuple[ModuleSync, int, str]]:

@@ -35,8 +35,7 @@ from peer.sync.hello import ClaimRefresh, install_hello_handler, say_hello
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
-from peer.sync.outer import HEARD_WITHIN_TIMEOUTS as HEARD
-from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals
+from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals, heard_within
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
@@ -244,8 +243,7 @@ class PathSync:
         if result.dropped:
             # a member that announced it is leaving is an expected absence, not a fault; so is a
             # claimant never heard from (a sample of them is tried each round: outer.MAX_UNPROVEN_MEMBERS)
-            within = HEARD * self.manifest.sync.averaging_timeout_seconds
-            unheard = set(self.service.inbox.unproven(result.dropped, within))
+            unheard = set(self.service.inbox.unproven(result.dropped, heard_within(self.manifest.sync)))
             gone = all(why == LEFT or m in unheard for m, why in result.dropped.items())
             logger.log(
                 logging.INFO if gone else level,
@@ -337,7 +335,7 @@ class PathSync:
             return
         # heard-from holders only (`Inbox.unproven`): a flood of claims must not make a leave dial every key
         peers = {p for m in modules for p in holders.get(m, []) if p != self.peer_id}
-        peers = self.service.inbox.heard(peers, HEARD * self.manifest.sync.averaging_timeout_seconds)
+        peers = self.service.inbox.heard(peers, heard_within(self.manifest.sync))
         if not peers:
             return
         frames = [wire.pack_header(Kind.BYE, wire.Bye(run=self.service.run, modules=modules))]
@@ -349,7 +347,7 @@ class PathSync:
         if self.service is None:
             return True
         peers = {p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id}
-        peers = self.service.inbox.heard(peers, HEARD * self.manifest.sync.averaging_timeout_seconds)
+        peers = self.service.inbox.heard(peers, heard_within(self.manifest.sync))
         if not peers:
             return True
         return set(say_hello(self.service, sorted(self.syncs), peers, timeout)) == set(peers)
