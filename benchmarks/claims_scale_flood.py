@@ -91,6 +91,23 @@ def _rate(found: list[list[dict]], start: float, end: float) -> float:
     return sum(tokens_at(h, end) - tokens_at(h, start) for h in found) / (end - start)
 
 
+def _start_run(
+    swarm: LocalSwarm, folder: Path, creator: RSAPrivateKey, run: str, run_id: str, run_args, heartbeat: float
+) -> list[str]:
+    """The run's bootstrap node (serving its manifest) and its `PEERS`, each admitted by the creator;
+    their peer ids."""
+    swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
+    ids = []
+    for name in PEERS:
+        key, key_file = load_identity(folder / f"{name}.key")
+        ids.append(peer_id_of_key(key))
+        token = sign_admission(creator, run_id, ids[-1], "invite")
+        extra = ["--identity_path", str(key_file), "--admission", token, "--wait_for_peers", "2",
+                 "--heartbeat_seconds", str(heartbeat)]  # fmt: skip
+        swarm.start_peer(name, peer_argv(run_args, run, folder / name, *extra))
+    return ids
+
+
 def measure_flood(
     args: argparse.Namespace, folder: Path, flood_keys: list[RSAPrivateKey], mode: str = "invite"
 ) -> dict:
@@ -105,15 +122,7 @@ def measure_flood(
     samples: list[tuple[float, int]] = []
     seen_both: list[tuple[float, bool]] = []
     with LocalSwarm(folder / "logs") as swarm:
-        swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
-        ids = []
-        for name in PEERS:
-            key, key_file = load_identity(folder / f"{name}.key")
-            ids.append(peer_id_of_key(key))
-            token = sign_admission(creator, run_id, ids[-1], "invite")
-            extra = ["--identity_path", str(key_file), "--admission", token, "--wait_for_peers", "2",
-                     "--heartbeat_seconds", str(args.heartbeat_seconds)]  # fmt: skip
-            swarm.start_peer(name, peer_argv(run_args, run, folder / name, *extra))
+        ids = _start_run(swarm, folder, creator, run, run_id, run_args, args.heartbeat_seconds)
         watcher, _ = start_dht(
             initial_peers=swarm.initial_peers, client_mode=True, run_name=manifest.name, run_id=run_id
         )
@@ -170,29 +179,40 @@ def measure_flood(
             for node in publishers:
                 node.shutdown()
             watcher.shutdown()
-    try:  # the peers' own round history (tokens at each round's end), written at their exit
-        found = [h for h, _ in histories(folder, list(PEERS)).values()]
-        windows = zip(walls, walls[1:], strict=False)
-        tps_before, tps_flood, tps_after = (_rate(found, a, b) for a, b in windows)
-        measured_by = "round history"
-    except (RuntimeError, ValueError, KeyError):  # too few rounds in a window: the claims' counters
-        tps_before, tps_flood, tps_after = (_tokens_per_second(samples, *w) for w in (before, flood, after))
-        measured_by = "claims"
+    rates, measured_by = _window_rates(folder, walls, samples, [before, flood, after])
     during = [both for t, both in seen_both if flood[0] <= t <= flood[1]]
     return {
         "keys": len(flood_keys), "stores_acknowledged": stored, "window_seconds": args.flood_window_seconds,
-        "tokens_per_second_before": round(tps_before, 1), "tokens_per_second_during": round(tps_flood, 1),
-        "tokens_per_second_after": round(tps_after, 1),
-        "run_tokens_ratio": round(tps_flood / tps_before, 3) if tps_before else None,
-        # during over the run alone before and after it together (baselines at both ends)
-        "run_tokens_ratio_both_ends": (
-            round(2 * tps_flood / (tps_before + tps_after), 3) if tps_before + tps_after else None
-        ),
+        **_rates_summary(*rates),
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
         "peers_alive_after": alive, "run": run, "admission": mode, "tokens_measured_by": measured_by,
         # cores used on average in each window, by the run's processes and by the flood's publishers
         "cores_before": _cores(cpu[0], cpu[1], groups), "cores_during": _cores(cpu[1], cpu[2], groups),
         "machine_cores": psutil.cpu_count(),
+    }  # fmt: skip
+
+
+def _window_rates(
+    folder: Path, walls: list[float], samples: list[tuple[float, int]], windows: list[tuple[float, float]]
+) -> tuple[list[float], str]:
+    """The peers' tokens/s in each window and where they come from: their own round histories (tokens
+    at each round's end, written at their exit; `walls`: the windows' wall-clock edges), else the
+    watcher's readings of their claims' counters (`windows`: monotonic start and end of each)."""
+    try:
+        found = [h for h, _ in histories(folder, list(PEERS)).values()]
+        return [_rate(found, a, b) for a, b in zip(walls, walls[1:], strict=False)], "round history"
+    except (RuntimeError, ValueError, KeyError):  # too few rounds in a window: the claims' counters
+        return [_tokens_per_second(samples, *w) for w in windows], "claims"
+
+
+def _rates_summary(before: float, during: float, after: float) -> dict:
+    """The run's tokens/s in the three windows, and the flood window's over the one before (the
+    issue's measure) and over the mean of before and after (baselines at both ends)."""
+    return {
+        "tokens_per_second_before": round(before, 1), "tokens_per_second_during": round(during, 1),
+        "tokens_per_second_after": round(after, 1),
+        "run_tokens_ratio": round(during / before, 3) if before else None,
+        "run_tokens_ratio_both_ends": round(2 * during / (before + after), 3) if before + after else None,
     }  # fmt: skip
 
 
