@@ -39,8 +39,8 @@ CPU cores; larger budgets are for `--device cuda` (`benchmarks/dipaco_device.sh`
 
 Data: the built-in offline multi-domain corpus, or --data_files (one document per line .txt, or
 .jsonl with a "text" field), e.g. real text from `python -m benchmarks.stdlib_corpus --out F.jsonl`.
-`--device` (auto: CUDA when there is one) is where everything trains and is scored; on CUDA with
-bf16 autocast, as a peer trains.
+`--device` (auto: CUDA when there is one): where everything trains and is scored (CUDA: bf16 autocast).
+`--validation_docs N` holds N training documents out of every arm to tune on (benchmarks.dipaco_tune).
 """
 
 from __future__ import annotations
@@ -89,8 +89,11 @@ from peer.run.create import parse_grid
 DEFAULT_BUDGETS = "0.5,1"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dipaco", description=__doc__.splitlines()[0])
+def build_parser(
+    prog: str = "python -m benchmarks.dipaco", description: str | None = None
+) -> argparse.ArgumentParser:
+    """The arguments of one DiPaCo comparison (benchmarks.dipaco_tune adds its own to them)."""
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data_files", default=None, help="glob of local .txt (one doc per line) or .jsonl files")
     p.add_argument("--builtin_docs", type=int, default=6000)
@@ -112,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--relabel_at", type=float, default=0.0, help="discriminative re-routing after this fraction"
     )
     p.add_argument("--max_eval_docs", type=int, default=400)
+    p.add_argument(
+        "--validation_docs",
+        type=int,
+        default=0,
+        help="training documents held out of every arm's training to tune on (scored as val_ppl); 0: none",
+    )
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help="step multipliers of every arm, e.g. 1,4,16")
     p.add_argument("--seeds", default="1,2", help="initialisation and data-order seeds, e.g. 1,2")
     p.add_argument(
@@ -124,7 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip the dense model with as many parameters as the whole grid (the slowest baseline)",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def dataset_spec(args: argparse.Namespace, seed: int | None = None) -> DatasetSpec:
@@ -172,6 +185,8 @@ class Bench:
     tag: str = ""
     started: float = field(default_factory=time.monotonic)
     m: Measured = field(default_factory=Measured)
+    #: training documents no arm trains on, to tune on (never the reported held-out documents)
+    validation: list[str] = field(default_factory=list)
 
     def log(self, message: str) -> None:
         elapsed = int(time.monotonic() - self.started)
@@ -220,6 +235,9 @@ def train_grid(b: Bench, cfg: SimConfig, options: DipacoOptions) -> DipacoRun:
         run.grid(), b.held_out, b.tok, run.route, context=b.args.seq_len
     )
     b.m.shards[name] = {str(p): len(d) for p, d in run.shards.items()}
+    val = (
+        evaluate(run.grid(), b.validation, b.tok, run.route, context=b.args.seq_len) if b.validation else None
+    )
     loops = [s.loop for s in run.sim.paths.values()]
     mean = [sum(x) / n for x in zip(*(lp.losses for lp in loops), strict=True)]
     b.m.curves[name] = ([warm + n * (i + 1) for i in range(len(mean))], mean)
@@ -242,6 +260,7 @@ def train_grid(b: Bench, cfg: SimConfig, options: DipacoOptions) -> DipacoRun:
         epochs=tokens / b.corpus_tokens,
         path_epochs=path_epochs,
         max_path_epochs=max(path_epochs.values()),
+        val_ppl=val.ppl if val else None,
         cfg=cfg.model,
     )
     b.log(
@@ -261,6 +280,7 @@ def train_baseline(
     b.m.evals[name] = evaluate(model, b.held_out, b.tok, run.route, context=b.args.seq_len)
     b.m.curves[name] = ([base[0] + i + 1 for i in range(steps)], trainer.loop.losses)
     n = count_parameters(model)
+    val = evaluate(model, b.validation, b.tok, run.route, context=b.args.seq_len) if b.validation else None
     tokens = base[1] + trainer.loop.tokens_seen
     b.m.models[name] = dict(
         paths=1,
@@ -271,6 +291,7 @@ def train_baseline(
         steps=base[0] + trainer.loop.step_count,
         tokens=tokens,
         epochs=tokens / b.corpus_tokens,
+        val_ppl=val.ppl if val else None,
         cfg=model.cfg,
     )
     b.log(f"{name}: trained in {b.m.timings[name]:.0f} s, held-out ppl {b.m.evals[name].ppl:.3f}")
@@ -297,10 +318,19 @@ def train_baselines(b: Bench, run: DipacoRun) -> None:
     train_baseline(b, "dense all params", trainer, total, (0, 0), run)
 
 
-def load_data(args: argparse.Namespace) -> tuple[DatasetSpec, list[str], list[str]]:
+def load_data(args: argparse.Namespace) -> tuple[DatasetSpec, list[str], list[str], list[str]]:
+    """(corpus, training documents, reported held-out documents, validation documents)."""
     spec = dataset_spec(args, seed=args.data_seed)
     docs = list(load_documents(spec))
     train = [t for t in docs if split_of(t, spec) == "train"]
+    # Tuning reads documents of the training split that no arm trains on, a seeded sample (the same
+    # for every seed and every arm), so a pick never sees the documents whose loss is reported.
+    validation = random.Random(f"validation {args.data_seed}").sample(
+        train, min(len(train) // 10, args.validation_docs)
+    )
+    if validation:
+        held = set(validation)
+        train = [t for t in train if t not in held]
     # Files list their documents in an order (a source tree's, alphabetically): the held-out documents
     # are a seeded sample of the whole evaluation split, the same for every seed, not its first ones.
     held_out = [t for t in docs if split_of(t, spec) == "eval"]
@@ -309,23 +339,34 @@ def load_data(args: argparse.Namespace) -> tuple[DatasetSpec, list[str], list[st
     )
     if len(held_out) < 10:
         raise SystemExit(f"only {len(held_out)} held-out documents; give more data")
-    return spec, train, held_out
+    if args.validation_docs and len(validation) < 10:
+        raise SystemExit(
+            f"--validation_docs {args.validation_docs}: only {len(validation)} to spare; give more data"
+        )
+    return spec, train, held_out, validation
 
 
-def run_once(b: Bench, spec: DatasetSpec) -> tuple[dict, dict]:
-    """Every grid and baseline of one budget and seed: (results, loss curves)."""
-    args = b.args
-    options = DipacoOptions(
+def dipaco_options(args: argparse.Namespace) -> DipacoOptions:
+    return DipacoOptions(
         warm_start_steps=args.warm_start_steps,
         router_features=args.router_features,
         balanced=not args.unbalanced,
         relabel_at=args.relabel_at,
     )
+
+
+def inner_config(args: argparse.Namespace) -> InnerOptimizerConfig:
     # The base's cosine spans the warm start plus one path's steps; the paths and the path-size
     # baselines each restart theirs (`DenseTrainer`, `DipacoSim`: schedule length = their own steps).
-    inner = InnerOptimizerConfig(
+    return InnerOptimizerConfig(
         lr=args.lr, warmup_steps=50, total_steps=args.warm_start_steps + args.steps_per_path
     )
+
+
+def run_once(b: Bench, spec: DatasetSpec) -> tuple[dict, dict]:
+    """Every grid and baseline of one budget and seed: (results, loss curves)."""
+    args = b.args
+    options, inner = dipaco_options(args), inner_config(args)
     runs = [
         train_grid(b, sim_config(args, *parse_grid(g), inner), options)
         for g in args.grids.split(",")
@@ -349,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    spec, train, held_out = load_data(args)
+    spec, train, held_out, validation = load_data(args)
     tok = ByteTokenizer()
     n_tokens = corpus_tokens(train, tok)
     plan = training_plan(args, budgets)
@@ -373,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 n_tokens,
                 f"x{label} seed {seed}",
                 started,
+                validation=validation,
             )
             results, curves = run_once(b, spec)
             per_budget.setdefault(label, []).append(results)

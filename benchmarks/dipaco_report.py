@@ -140,6 +140,7 @@ def summarize(args, m: Measured, main_sim: SimConfig, spec, n_train: int, option
     return dict(
         composite_ppl=composite,
         composite_rerouted_ppl=rerouted,
+        composite_val_ppl=models[f"dipaco {main_grid}"]["val_ppl"],
         ratio_same_tokens_rerouted=rerouted / ppl["dense_same_tokens"],
         ratio_all_params_rerouted=rerouted / ppl["dense_all_params"] if ppl["dense_all_params"] else None,
         **{f"{key}_ppl": v for key, v in ppl.items()},

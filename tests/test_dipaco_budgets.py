@@ -124,9 +124,50 @@ def test_held_out_documents_are_a_seeded_sample_of_the_whole_evaluation_split_no
     args = dipaco.parse_args(
         ["--out", str(tmp_path / "o"), "--data_files", str(data), "--max_eval_docs", "40"]
     )
-    spec, train, held_out = dipaco.load_data(args)
+    spec, train, held_out, _ = dipaco.load_data(args)
     again = dipaco.load_data(args)[2]
     evaluation = [t for t in texts if split_of(t, spec) == "eval"]
     assert held_out == again and len(held_out) == 40 and set(held_out) <= set(evaluation)
     assert held_out != evaluation[:40]
     assert any("omega" in t for t in held_out) and any("alpha" in t for t in held_out)
+
+
+def test_validation_documents_are_training_documents_no_arm_trains_on_and_never_reported_ones(tmp_path):
+    texts = [f"doc {i:05d} " + "word " * (i % 13 + 4) for i in range(3000)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    argv = ["--out", str(tmp_path / "o"), "--data_files", str(data), "--max_eval_docs", "40"]
+    _, all_train, _, none = dipaco.load_data(dipaco.parse_args(argv))
+    _, train, held_out, validation = dipaco.load_data(dipaco.parse_args([*argv, "--validation_docs", "50"]))
+    assert none == [] and len(validation) == 50
+    assert set(validation) <= set(all_train) and not set(validation) & set(train)
+    assert not set(validation) & set(held_out)
+    assert sorted(train + validation) == sorted(all_train)
+
+
+def test_tuning_picks_the_outer_optimizer_by_validation_perplexity_never_by_the_reported_one(tmp_path):
+    from benchmarks import dipaco_tune
+
+    def grid(seed, lr, val, reported):
+        return dict(budget="2.5", seed=seed, outer_lr=lr, outer_momentum=0.9, inner_steps=50,
+                    val_ppl=val, composite_ppl=reported, batch_size=128)  # fmt: skip
+
+    # lr 1.0 scores best on the reported documents, lr 0.5 on the validation split
+    runs = [grid(s, 1.0, 5.0, 3.0) for s in (1, 2)] + [grid(s, 0.5, 4.0, 3.5) for s in (1, 2)]
+    runs.append(grid(1, 0.2, 1.0, 1.0))  # one seed only: not comparable, never picked
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "dipaco_tune_runs.json").write_text(json.dumps(runs))
+    for seed in (1, 2):
+        base = dict(args=dict(seed=seed, outer_lr=0.7, outer_momentum=0.9, inner_steps=50),
+                    composite_val_ppl=4.5, composite_ppl=3.6, batch_size=128, dense_same_tokens_ppl=3.4,
+                    dense_all_params_ppl=None, dense_ppl=4.0)  # fmt: skip
+        (tmp_path / f"base{seed}").mkdir()
+        (tmp_path / f"base{seed}" / "dipaco_runs.json").write_text(json.dumps({"2.5": [base]}))
+    assert dipaco_tune.main(["--out", str(tmp_path / "pick"), "--pick", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "pick" / "dipaco_tune.json").read_text())
+    assert out["pick"]["outer_lr"] == 0.5 and len(out["candidates"]) == 3
+    assert out["pick_ratio_same_tokens"] == 3.5 / 3.4 and out["default_ratio_same_tokens"] == 3.6 / 3.4
+    runs[0]["batch_size"] = 64
+    (tmp_path / "tune" / "dipaco_tune_runs.json").write_text(json.dumps(runs))
+    with pytest.raises(SystemExit, match="batch_size"):
+        dipaco_tune.main(["--out", str(tmp_path / "pick"), "--pick", str(tmp_path)])
