@@ -104,8 +104,9 @@ def train(args) -> int:
     return 0
 
 
-def records(folders: list[Path]) -> tuple[list[dict], dict[int, dict]]:
-    """(every grid run as a record, the dense baselines of each seed) from the folders' run files."""
+def records(folders: list[Path]) -> tuple[list[dict], dict[int, list[dict]]]:
+    """(every grid run as a record, the dense baselines of each seed: one per run of the seed) from
+    the folders' run files."""
     grids, baselines = [], {}
     for folder in folders:
         for f in sorted(folder.rglob("dipaco_tune_runs.json")):
@@ -126,11 +127,13 @@ def records(folders: list[Path]) -> tuple[list[dict], dict[int, dict]]:
                             batch_size=r["batch_size"],
                         )
                     )
-                    baselines[int(a["seed"])] = dict(
-                        budget=label,
-                        dense_same_tokens_ppl=r["dense_same_tokens_ppl"],
-                        dense_all_params_ppl=r["dense_all_params_ppl"],
-                        dense_ppl=r["dense_ppl"],
+                    baselines.setdefault(int(a["seed"]), []).append(
+                        dict(
+                            budget=label,
+                            dense_same_tokens_ppl=r["dense_same_tokens_ppl"],
+                            dense_all_params_ppl=r["dense_all_params_ppl"],
+                            dense_ppl=r["dense_ppl"],
+                        )
                     )
     return grids, baselines
 
@@ -140,33 +143,34 @@ def pick(args) -> int:
     if not grids or not baselines:
         raise SystemExit(f"--pick {' '.join(map(str, args.pick))}: no grid runs or no dense baselines found")
     for what in ("budget", "batch_size"):
-        if (
-            len(
-                {g[what] for g in grids}
-                | ({b[what] for b in baselines.values()} if what == "budget" else set())
-            )
-            > 1
-        ):
+        base = {b[what] for runs in baselines.values() for b in runs} if what == "budget" else set()
+        if len({g[what] for g in grids} | base) > 1:
             raise SystemExit(f"--pick: the runs differ in {what}; pick among runs of one setting")
     if any(g["val_ppl"] is None for g in grids):
         raise SystemExit("--pick: a run has no validation perplexity (run it with --validation_docs)")
     seeds = sorted(baselines)
-    by_key: dict[Key, dict[int, dict]] = {}
+    # A setting or baseline run more than once (several calls) counts as the mean of its runs
+    dense = {s: statistics.fmean(b["dense_same_tokens_ppl"] for b in baselines[s]) for s in seeds}
+    by_key: dict[Key, dict[int, list[dict]]] = {}
     for g in grids:
-        by_key.setdefault((g["outer_lr"], g["outer_momentum"], g["inner_steps"]), {})[g["seed"]] = g
+        key = (g["outer_lr"], g["outer_momentum"], g["inner_steps"])
+        by_key.setdefault(key, {}).setdefault(g["seed"], []).append(g)
     rows = []
     for key, per_seed in sorted(by_key.items()):
         if set(seeds) - set(per_seed):
             continue  # a candidate is compared only on every seed the baselines have
-        ratios = [per_seed[s]["composite_ppl"] / baselines[s]["dense_same_tokens_ppl"] for s in seeds]
+        val = [statistics.fmean(g["val_ppl"] for g in per_seed[s]) for s in seeds]
+        reported = [statistics.fmean(g["composite_ppl"] for g in per_seed[s]) for s in seeds]
+        ratios = [r / dense[s] for r, s in zip(reported, seeds, strict=True)]
         rows.append(
             dict(
                 outer_lr=key[0],
                 outer_momentum=key[1],
                 inner_steps=key[2],
-                val_ppl=[per_seed[s]["val_ppl"] for s in seeds],
-                val_ppl_mean=statistics.fmean(per_seed[s]["val_ppl"] for s in seeds),
-                composite_ppl=[per_seed[s]["composite_ppl"] for s in seeds],
+                runs_per_seed=[len(per_seed[s]) for s in seeds],
+                val_ppl=val,
+                val_ppl_mean=statistics.fmean(val),
+                composite_ppl=reported,
                 ratio_same_tokens=ratios,
                 ratio_same_tokens_mean=statistics.fmean(ratios),
             )
@@ -189,14 +193,19 @@ def pick(args) -> int:
     lines = [
         f"# DiPaCo's outer optimizer tuned on a validation split (budget ×{out['budget']}, seeds {seeds})",
         "",
-        "| outer lr | momentum | H | validation ppl (per seed) | mean | reported ppl (per seed) "
-        "| composite / dense same tokens |",
-        "|---:|---:|---:|---|---:|---|---:|",
+        "Dense same tokens (the mean of its runs): "
+        + ", ".join(f"seed {s} {v:.3f}" for s, v in dense.items()),
+        "",
+        "| outer lr | momentum | H | runs per seed | validation ppl (per seed) | mean "
+        "| reported ppl (per seed) | composite / dense same tokens |",
+        "|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for r in rows:
         mark = " **(pick)**" if r is best else ""
         lines.append(
             f"| {r['outer_lr']} | {r['outer_momentum']} | {r['inner_steps']}{mark} | "
+            + ", ".join(map(str, r["runs_per_seed"]))
+            + " | "
             + ", ".join(f"{v:.3f}" for v in r["val_ppl"])
             + f" | {r['val_ppl_mean']:.3f} | "
             + ", ".join(f"{v:.3f}" for v in r["composite_ppl"])
