@@ -34,6 +34,11 @@ MAX_CLAIM_SHARDS = 256
 #: chooses which). With MAX_CLAIM_BYTES per claim plus its owner key and signature (under 5.5 KiB
 #: together, see dht/validators.py) one shard's reply stays under 2.8 MiB, below hivemind's 4 MiB.
 MAX_CLAIMS_PER_SHARD = 512
+#: Of those, claims without the creator's admission (newcomers of an open run, and free keys) take at
+#: most this many places of a shard that holds admitted claims (dht/shard_store.py): a 10,000-key flood
+#: into an open run filled whole shards, ~0.9 MB that every find of the key carried and every reader
+#: checked (benchmarks/claims_scale.py's open run fell to 0.3 of its tokens/s).
+MAX_UNADMITTED_CLAIMS_PER_SHARD = 64
 #: A claim's record, serialized without its signature, is at most this long (a real one, with an
 #: admission token and 64 path_steps entries, is about 2.3 KiB).
 MAX_CLAIM_BYTES = 4096

@@ -11,6 +11,13 @@ at a full key, the node keeps the higher ranked of it and its lowest ranked reco
 2. then by a hash of the owner key salted with a secret this node draws at start, so each node keeps
    a different sample of the rest and nobody can choose a key that wins everywhere.
 
+Records without admission take at most `unadmitted_cap` places of a key that holds admitted ones
+(an open run with an authority: its established peers carry tokens, newcomers on probation do not):
+a flood of free keys then fills a small part of the shard, not all of it, so that every find of the
+key (a store's traversal, a heartbeat's read) carries and checks a few dozen strangers' claims, not
+hundreds. A key without any admitted record (an open run whose creator runs no authority: nobody has
+a token) keeps up to `cap` of them, as before.
+
 An owner already stored always renews its record. In an invite run (`admitted_only`) no key takes
 part without the creator's admission, so a node keeps no record whose owner it does not admit: a
 flood of free keys then costs each node a signature check per store, not a full shard that every
@@ -44,12 +51,19 @@ class SubkeyCap:
     """At most `cap` records per key among `keys`, ranked as the module docstring says."""
 
     def __init__(
-        self, keys: list[bytes], cap: int, admitted: Admitted | None = None, admitted_only: bool = False
+        self,
+        keys: list[bytes],
+        cap: int,
+        admitted: Admitted | None = None,
+        admitted_only: bool = False,
+        unadmitted_cap: int | None = None,
     ):
         if admitted_only and admitted is None:
             raise ValueError("admitted_only needs the run's admission check (admitted)")
         self.keys = {DHTID.from_bytes(k) for k in keys}
         self.cap = cap
+        #: places of a key holding admitted records that records without admission may take
+        self.unadmitted_cap = cap if unadmitted_cap is None else min(cap, unadmitted_cap)
         self.admitted = admitted
         self.admitted_only = admitted_only
         self._salt = os.urandom(16)
@@ -59,6 +73,8 @@ class SubkeyCap:
         #: lowest first; stale items (evicted, expired or re-ranked records) are dropped at the top
         self._heaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tiebreak = itertools.count()
+        #: per stored dictionary, the subkeys stored with admission (`_admitted_in` drops stale ones)
+        self._admitted_subkeys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def rank(self, key: DHTID, subkey, value: bytes) -> tuple[bool, bytes]:
         """(admitted, salted hash of the owner) of a record now being stored: higher is kept.
@@ -89,7 +105,7 @@ class SubkeyCap:
         new = self.rank(key, subkey, value)
         if self.admitted_only and not new[0]:
             return False
-        if subkey in entries or len(entries) < self.cap:
+        if subkey in entries or len(entries) < self._room(key, entries, new):
             self._push(key, entries, new, subkey)
             return True
         worst, worst_rank = self._lowest(key, entries)
@@ -101,11 +117,43 @@ class SubkeyCap:
         self._push(key, entries, new, subkey)
         return True
 
+    def _room(self, key: DHTID, entries: DictionaryDHTValue, rank: tuple[bool, bytes]) -> int:
+        """How many records `entries` may hold when a record of `rank` arrives: `cap`, or for one
+        without admission at a key that holds admitted records, those plus `unadmitted_cap`. At a key
+        at its room the lowest ranked record is one without admission, so a newcomer that outranks it
+        takes its place and the count without admission stays."""
+        if rank[0] or len(entries) < self.unadmitted_cap:
+            return self.cap
+        admitted = self._admitted_in(key, entries)
+        return self.cap if admitted == 0 else min(self.cap, self.unadmitted_cap + admitted)
+
+    def _admitted_in(self, key: DHTID, entries: DictionaryDHTValue) -> int:
+        """How many of `entries` are admitted: the subkeys pushed with admission, checked against
+        what `entries` still holds (evicted, expired or re-ranked ones leave), so a store at a key full
+        of strangers' records looks up the few admitted ones, not every record."""
+        marked = self._marked(key, entries)
+        for s in list(marked):
+            item = entries.get(s)
+            if item is None or not self._known_rank(key, s, item.value)[0]:
+                marked.discard(s)
+        return len(marked)
+
+    def _marked(self, key: DHTID, entries: DictionaryDHTValue) -> set:
+        """The subkeys of `entries` marked admitted; a dictionary first seen (stored whole, or its
+        first record stored by hivemind itself) is marked from its records once."""
+        marked = self._admitted_subkeys.get(entries)
+        if marked is None:
+            marked = {s for s, item in entries.items() if self._known_rank(key, s, item.value)[0]}
+            self._admitted_subkeys[entries] = marked
+        return marked
+
     def _push(self, key: DHTID, entries: DictionaryDHTValue, rank: tuple[bool, bytes], subkey) -> None:
         heap = self._heaps.get(entries)
         if heap is None or len(heap) > 4 * self.cap + 64:
             heap = self._rebuild(key, entries)
         heapq.heappush(heap, (rank, next(self._tiebreak), subkey))
+        if rank[0]:  # a record ranked anew without admission leaves the mark at the next count
+            self._marked(key, entries).add(subkey)
 
     def _rebuild(self, key: DHTID, entries: DictionaryDHTValue) -> list:
         ranked = ((self._known_rank(key, s, item.value), s) for s, item in entries.items())
@@ -138,11 +186,13 @@ class SubkeyCap:
         items = list(entries.items())
         if self.admitted_only:
             items = [(s, item) for s, item in items if self._known_rank(key, s, item.value)[0]]
-        elif len(items) <= self.cap:
+        elif len(items) <= self.unadmitted_cap:
             return entries
         items.sort(key=lambda kv: self._known_rank(key, kv[0], kv[1].value), reverse=True)
+        admitted = sum(1 for s, item in items if self._known_rank(key, s, item.value)[0])
+        room = self.cap if admitted == 0 else min(self.cap, admitted + self.unadmitted_cap)
         out = DictionaryDHTValue()
-        for subkey, item in items[: self.cap]:
+        for subkey, item in items[:room]:
             out.store(subkey, item.value, item.expiration_time)
         return out
 

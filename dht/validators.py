@@ -34,6 +34,7 @@ from dht.keys import (
     MAX_CLAIM_TTL_SECONDS,
     MAX_CLAIMS_PER_SHARD,
     MAX_RECORD_TTL_SECONDS,
+    MAX_UNADMITTED_CLAIMS_PER_SHARD,
     claim_shard,
     run_keys,
 )
@@ -90,7 +91,11 @@ class RecordSchemaValidator(RecordValidatorBase):
     def _cap_claims(self) -> None:
         if self._shard_by_key:
             cap = SubkeyCap(
-                list(self._shard_by_key), self.max_claims_per_shard, self.admitted, self.admitted_only
+                list(self._shard_by_key),
+                self.max_claims_per_shard,
+                self.admitted,
+                self.admitted_only,
+                unadmitted_cap=MAX_UNADMITTED_CLAIMS_PER_SHARD,
             )
             cap_keys(cap)
 

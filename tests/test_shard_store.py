@@ -114,6 +114,39 @@ def test_a_nodes_storage_and_its_cache_under_one_cap_each_keep_their_own_best():
     assert newcomer[0] in kept and owners[0][0] not in kept and len(kept) == CAP
 
 
+def test_strangers_take_only_their_share_of_a_key_that_holds_admitted_records_and_all_of_one_without():
+    key = DHTID.generate(source=KEY)
+    share = 4
+    cap = SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", unadmitted_cap=share)
+    cap_keys(cap)
+    storage, expiry = DHTLocalStorage(), get_dht_time() + 600
+    # an open run whose creator runs no authority: nobody is admitted, the whole cap is theirs
+    for i in range(2 * CAP):
+        storage.store_subkey(key, f"free{i}".encode(), record(f"Qf{i}", False), expiry)
+    assert len(storage.get(key).value) == CAP
+    # a key with admitted records: a flood keeps `share` strangers' records there, the highest ranked
+    storage, flood = DHTLocalStorage(), [(f"s{i}".encode(), f"Qs{i}") for i in range(10 * CAP)]
+    assert storage.store_subkey(key, b"member0", record("Qm0", True), expiry)
+    for subkey, peer in flood:
+        storage.store_subkey(key, subkey, record(peer, False), expiry)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    best = sorted(flood, key=lambda o: cap.rank(key, o[0], record(o[1], False)), reverse=True)[:share]
+    assert kept == {b"member0"} | {s for s, _ in best}
+    # admitted peers still get in past the strangers' share, up to the cap, evicting strangers last
+    for i in range(1, CAP):
+        assert storage.store_subkey(key, f"member{i}".encode(), record(f"Qm{i}", True), expiry)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    assert len(kept) == CAP and sum(s.startswith(b"member") for s in kept) == CAP
+    # a whole dictionary stored at once (a reader's cache) is cut the same way
+    mixed = DictionaryDHTValue()
+    mixed.store(b"member0", record("Qm0", True), expiry)
+    for subkey, peer in flood:
+        mixed.store(subkey, record(peer, False), expiry)
+    cache = DHTLocalStorage()
+    assert cache.store(key, mixed, expiry)
+    assert {s for s, _ in cache.get(key).value.items()} == {b"member0"} | {s for s, _ in best}
+
+
 def test_in_an_invite_run_a_node_keeps_no_record_whose_owner_it_does_not_admit():
     key = DHTID.generate(source=KEY)
     cap_keys(SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", admitted_only=True))

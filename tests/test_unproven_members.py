@@ -1,6 +1,7 @@
 """A flood of claims does not make every round dial every claimant: holders with neither standing nor
-a part offered lately are tried a few per round (`peer.sync.outer.MAX_UNPROVEN_MEMBERS`), on real
-members over real DHT nodes and P2P streams."""
+a part offered lately are tried a few per round (`peer.sync.outer.MAX_UNPROVEN_MEMBERS`), and one a
+round failed to reach not again until the heard-from window passes, on real members over real DHT
+nodes and P2P streams."""
 
 from __future__ import annotations
 
@@ -41,14 +42,18 @@ def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders
             StreamingOuter({}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
             for m in members
         ]
-        tried: set[str] = set()
+        tried: list[set[str]] = [set(), set()]
         together = 0
         for round_index in range(4):
             groups = [loop.members_of(MODULE, holders) for loop in loops]
-            for group in groups:
-                # member 0 may try member 1 (not heard from yet) in place of a fake
-                assert MAX_UNPROVEN_MEMBERS - 1 <= len(set(group) & set(fakes)) <= MAX_UNPROVEN_MEMBERS
-                tried |= set(group) & set(fakes)
+            for i, group in enumerate(groups):
+                in_group = set(group) & set(fakes)
+                assert len(in_group) <= MAX_UNPROVEN_MEMBERS
+                if round_index == 0:  # member 0 may try member 1 (not heard from yet) in place of a fake
+                    assert len(in_group) >= MAX_UNPROVEN_MEMBERS - 1
+                # a claimant that a round failed to reach is not dialled again within the window
+                assert not in_group & tried[i], (round_index, i, in_group & tried[i])
+                tried[i] |= in_group
             assert ids[0] in groups[1]  # standing: always a member
             for m in members:  # as the peer's schedule does before each round of the fragment
                 m.service.inbox.set_current(MODULE, 0, round_index)
@@ -77,8 +82,9 @@ def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders
             assert torch.equal(results[0].delta, results[1].delta)
         # once member 1's part reached member 0 it is always a member there: its rounds are shared
         assert together >= 3
-        # a new sample each round: every claimant gets its turn, so a real newcomer is reached
-        assert len(tried) > MAX_UNPROVEN_MEMBERS
+        # a new sample each round: every claimant got its turn (a real newcomer is reached), then
+        # none is dialled again until the window passes
+        assert tried[1] == set(fakes) and not set(groups[1]) & set(fakes)
 
 
 @pytest.mark.timeout(30)

@@ -135,6 +135,8 @@ class Inbox:
         self.active: dict[str, dict[str, float]] = {}
         self._strikes: dict[str, int] = {}
         self._banned_until: dict[str, float] = {}
+        #: peer -> when a round of ours last failed to reach it (`unreachable`, `failed_within`)
+        self._unreachable: OrderedDict[str, float] = OrderedDict()
 
     def strike(self, sender: str, reason: str) -> None:
         """Counts a refusal against `sender`; the BAN_AFTER_BAD_PARTS-th hostile one bans it."""
@@ -177,6 +179,18 @@ class Inbox:
             for p in set(peers)
             if now - recent.get(p, -math.inf) > within_seconds and not self.standing.admitted(p)
         )
+
+    def unreachable(self, peer: str) -> None:
+        """A round of ours could not reach `peer` (no connection, or it stalled)."""
+        self._unreachable[peer] = time.monotonic()
+        self._unreachable.move_to_end(peer)
+        if len(self._unreachable) > 4 * self.max_senders:  # bounded: the oldest failures go first
+            self._unreachable.popitem(last=False)
+
+    def failed_within(self, peers: Iterable[str], within_seconds: float) -> set[str]:
+        """Which of `peers` a round of ours failed to reach in the last `within_seconds`."""
+        now = time.monotonic()
+        return {p for p in peers if now - self._unreachable.get(p, -math.inf) <= within_seconds}
 
     def heard(self, peers: Iterable[str], within_seconds: float) -> list[str]:
         """`peers` less the `unproven` ones (of any module)."""

@@ -265,7 +265,11 @@ class StreamingOuter:
                 members = [*members, *inbox.active_holders(mid, within)]
             others = [m for m in members if m != self.peer_id]
             unproven = inbox.unproven(others, heard_within(self.sync), mid)
-            tried = self._sample.sample(unproven, min(MAX_UNPROVEN_MEMBERS, len(unproven)))
+            # one that a round of ours could not reach lately is not dialled again until then: a
+            # flood's keys never answer; a real newcomer that was not up yet is heard from its part
+            failed = inbox.failed_within(unproven, heard_within(self.sync))
+            candidates = [m for m in unproven if m not in failed]
+            tried = self._sample.sample(candidates, min(MAX_UNPROVEN_MEMBERS, len(candidates)))
             left_out = set(unproven) - set(tried)
             members = [m for m in members if m not in left_out]
         return sorted(set(members) | {self.peer_id})

@@ -338,6 +338,7 @@ class RoundRunner:
                 ack = await self.service.request(member, frames, max(0.1, remaining), self._sent, key)
             except Exception as e:  # unreachable, stalled, or gone: don't wait for it
                 failed[member] = f"unreachable ({type(e).__name__})"
+                self.service.inbox.unreachable(member)
                 break
             if ack.ok:
                 if took is not None:
