@@ -155,6 +155,7 @@ def measure_flood(
             publishers = [
                 flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
             ]
+            claims = _flood_claims(flood_keys, manifest, run_id)
             sleep_polling(args.warmup_seconds)
             # who used the machine's CPU in each window: the run's own processes (its peers with their
             # DHT processes and daemons, the bootstrap) and the flood's publishers; on one machine the
@@ -167,7 +168,7 @@ def measure_flood(
             cpu.append(_cpu_snapshot(groups))
             flood = (time.monotonic(), time.monotonic() + args.flood_window_seconds)
             walls += [time.time(), time.time() + args.flood_window_seconds]
-            stored = _flood(publishers, flood_keys, manifest, run_id, args.flood_window_seconds, poll)
+            stored = _flood(publishers, claims, args.flood_window_seconds, poll)
             sleep_polling(max(0.0, flood[1] - time.monotonic()))
             cpu.append(_cpu_snapshot(groups))
             # the run alone again, as long: a drift of the run's own rate shows in before against after
@@ -216,17 +217,23 @@ def _rates_summary(before: float, during: float, after: float) -> dict:
     }  # fmt: skip
 
 
-def _flood(publishers, keys: list[RSAPrivateKey], manifest, run_id: str, window: float, poll) -> int:
-    """One claim per key, paced evenly over `window` seconds, the watcher polling in between."""
-    rng, started, pending = random.Random(1), time.monotonic(), []
-    per_second = math.ceil(len(keys) / max(1.0, window))
-    for i in range(0, len(keys), per_second):
-        items = []
-        for key in keys[i : i + per_second]:
-            value = realistic_claim(key, "", manifest.model, 0, rng)
-            subkey = RSASignatureValidator(key).local_public_key
-            expiry = get_dht_time() + CLAIM_TTL_SECONDS
-            items.append((claims_key(manifest.name, run_id, claim_shard(0)), subkey, value, expiry))
+def _flood_claims(keys: list[RSAPrivateKey], manifest, run_id: str) -> list[tuple]:
+    """One claim per key, as (DHT key, owner subkey, value): built before the windows, since on one
+    machine the attacker's own work of making them would be taken from the run's CPU."""
+    rng, key = random.Random(1), claims_key(manifest.name, run_id, claim_shard(0))
+    return [
+        (key, RSASignatureValidator(k).local_public_key, realistic_claim(k, "", manifest.model, 0, rng))
+        for k in keys
+    ]
+
+
+def _flood(publishers, claims: list[tuple], window: float, poll) -> int:
+    """The claims stored, paced evenly over `window` seconds, the watcher polling in between."""
+    started, pending = time.monotonic(), []
+    per_second = math.ceil(len(claims) / max(1.0, window))
+    for i in range(0, len(claims), per_second):
+        expiry = get_dht_time() + CLAIM_TTL_SECONDS
+        items = [(key, subkey, value, expiry) for key, subkey, value in claims[i : i + per_second]]
         publisher = publishers[(i // per_second) % len(publishers)]
         pending.append(publisher.run_coroutine(partial(store_batch, items), return_future=True))
         poll()
