@@ -76,6 +76,10 @@ class PendingSync:
 #: hundreds of keys that never answer (benchmarks/claims_scale.py, open run). A real newcomer is in
 #: our rounds from its first part on, and it sends one to every member with standing at once.
 MAX_UNPROVEN_MEMBERS = 8
+#: the same where the round already has a member with standing or heard from: a newcomer reaches us
+#: by its own part then, so the sample is only how newcomers meet each other (each dial of a key that
+#: runs no peer cost a flooded open run about 1% of its tokens/s per dial a round, claims_scale)
+MAX_UNPROVEN_WITH_COMPANY = 2
 #: a holder is heard from while its last part is this many averaging timeouts old at most: a slow
 #: peer's rounds may be minutes apart, and a key that never sends a part gains nothing from the length
 HEARD_WITHIN_TIMEOUTS = 5
@@ -269,7 +273,8 @@ class StreamingOuter:
             # flood's keys never answer; a real newcomer that was not up yet is heard from its part
             failed = inbox.failed_within(unproven, heard_within(self.sync))
             candidates = [m for m in unproven if m not in failed]
-            tried = self._sample.sample(candidates, min(MAX_UNPROVEN_MEMBERS, len(candidates)))
+            most = MAX_UNPROVEN_WITH_COMPANY if len(others) > len(unproven) else MAX_UNPROVEN_MEMBERS
+            tried = self._sample.sample(candidates, min(most, len(candidates)))
             left_out = set(unproven) - set(tried)
             members = [m for m in members if m not in left_out]
         return sorted(set(members) | {self.peer_id})
