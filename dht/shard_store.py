@@ -18,14 +18,16 @@ key (a store's traversal, a heartbeat's read) carries and checks a few dozen str
 hundreds. A key without any admitted record (an open run whose creator runs no authority: nobody has
 a token) keeps up to `cap` of them, as before.
 
-An owner already stored always renews its record. In an invite run (`admitted_only`) no key takes
-part without the creator's admission, so a node keeps no record whose owner it does not admit: a
-flood of free keys then costs each node a signature check per store, not a full shard that every
-find of the key carries back (hivemind's store traverses with finds) and every reader checks again.
+An owner already stored renews its record (a stranger over the strangers' share, stored before
+the key held admitted records, only if it outranks the lowest, which it evicts). In an invite run
+(`admitted_only`) no key takes part without the creator's admission, so a node keeps no record whose
+owner it does not admit: a flood of free keys then costs each node a signature check per store, not
+a full shard that every find of the key carries back (hivemind's store traverses with finds) and
+every reader checks again.
 
-hivemind's storage has no hook for this, so the
-node's storage class is wrapped once at import (as dht/node.py wraps the DHT process); the limits
-live in this module because validators and storage meet only inside the DHT process.
+hivemind's storage has no hook for this, so the node's storage class is wrapped once at import (as
+dht/node.py wraps the DHT process); the limits live in this module because validators and storage
+meet only inside the DHT process.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ class SubkeyCap:
         new = self.rank(key, subkey, value)
         if self.admitted_only and not new[0]:
             return False
-        if subkey in entries or len(entries) < self._room(key, entries, new):
+        # a renewal takes no new place; but strangers stored before the key held admitted records may
+        # be over their share, and then a renewal too must outrank the lowest (which it evicts)
+        if len(entries) + (subkey not in entries) <= self._room(key, entries, new):
             self._push(key, entries, new, subkey)
             return True
         worst, worst_rank = self._lowest(key, entries)

@@ -147,6 +147,27 @@ def test_strangers_take_only_their_share_of_a_key_that_holds_admitted_records_an
     assert {s for s, _ in cache.get(key).value.items()} == {b"member0"} | {s for s, _ in best}
 
 
+def test_strangers_that_filled_a_key_before_it_held_admitted_records_cannot_renew_past_their_share():
+    key = DHTID.generate(source=KEY)
+    share = 4
+    cap = SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", unadmitted_cap=share)
+    cap_keys(cap)
+    storage, expiry = DHTLocalStorage(), get_dht_time() + 600
+    strangers = [(f"s{i}".encode(), f"Qs{i}") for i in range(CAP)]
+    for subkey, peer in strangers:  # before any admitted peer claims: the whole cap is theirs
+        assert storage.store_subkey(key, subkey, record(peer, False), expiry)
+    assert storage.store_subkey(key, b"member0", record("Qm0", True), expiry)
+    # every stranger keeps renewing its claim (a flood's keys would): the key comes down to its share
+    rng = random.Random(0)
+    for later in range(1, 4):
+        rng.shuffle(strangers)
+        for subkey, peer in strangers:
+            storage.store_subkey(key, subkey, record(peer, False), expiry + later)
+    kept = {s for s, _ in storage.get(key).value.items()}
+    best = sorted(strangers, key=lambda o: cap.rank(key, o[0], record(o[1], False)), reverse=True)[:share]
+    assert kept == {b"member0"} | {s for s, _ in best}
+
+
 def test_in_an_invite_run_a_node_keeps_no_record_whose_owner_it_does_not_admit():
     key = DHTID.generate(source=KEY)
     cap_keys(SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", admitted_only=True))
