@@ -20,11 +20,7 @@
 set -euo pipefail
 out=${1:-out/dipaco_gpu}
 shift || true
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dipaco_site .whl/*.whl
-    export PYTHONPATH=/tmp/dipaco_site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 # tqdm bars redraw every 30 s at most: the per-arm log lines carry the elapsed time, and a log file
 # keeps its last lines readable
 export TQDM_MININTERVAL=30
@@ -33,6 +29,5 @@ if [ "${DATA:-builtin}" = stdlib ]; then
     python3 -m benchmarks.stdlib_corpus --recursive --out /tmp/dipaco_stdlib.jsonl
     data=(--data_files /tmp/dipaco_stdlib.jsonl)
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m benchmarks.dipaco --out "$out" --device cuda --batch_size "${BATCH:-128}" \
     --budgets "${BUDGETS:-0.25,1,2.5}" --seeds "${SEEDS:-1,2}" "${data[@]}" "$@"

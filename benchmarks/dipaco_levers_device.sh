@@ -25,12 +25,8 @@
 set -euo pipefail
 out=${1:-out/dipaco_levers}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dipaco_site .whl/*.whl
-    export PYTHONPATH=/tmp/dipaco_site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+source benchmarks/device_env.sh
+export TQDM_DISABLE=1
 corpus=/tmp/dipaco_levers_corpus.jsonl
 python3 -m benchmarks.stdlib_corpus --site_packages --out "$corpus" | tee "$out/corpus.txt"
 

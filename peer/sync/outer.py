@@ -268,10 +268,11 @@ class StreamingOuter:
                 # holders that offered us outer gradients lately are active, whatever the claim view says
                 members = [*members, *inbox.active_holders(mid, within)]
             others = [m for m in members if m != self.peer_id]
-            unproven = inbox.unproven(others, heard_within(self.sync), mid)
+            lately = heard_within(self.sync)
+            unproven = inbox.unproven(others, lately, mid)
             # one that a round of ours could not reach lately is not dialled again until then: a
             # flood's keys never answer; a real newcomer that was not up yet is heard from its part
-            failed = inbox.failed_within(unproven, heard_within(self.sync))
+            failed = inbox.failed_within(unproven, lately)
             candidates = [m for m in unproven if m not in failed]
             most = MAX_UNPROVEN_WITH_COMPANY if len(others) > len(unproven) else MAX_UNPROVEN_MEMBERS
             tried = self._sample.sample(candidates, min(most, len(candidates)))
