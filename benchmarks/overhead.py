@@ -91,7 +91,7 @@ def plain_worker(args: argparse.Namespace) -> None:
     m, _ = load_verified_manifest(args.plain_worker)
     started = time.perf_counter()
     model = PathModel(m.model, path_from_index(m.model, 0), seed=m.seed)
-    optimizer = make_inner_optimizer(model.parameters(), m.inner)
+    optimizer = make_inner_optimizer(model, m.inner)
     batches = PathBatches(load_documents(m.dataset), make_route(m), 0, check_tokenizer(m), m.seq_len,
                           args.batch_size, eval_fraction=m.dataset.eval_fraction)  # fmt: skip
     marks = {}

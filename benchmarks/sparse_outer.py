@@ -14,7 +14,10 @@ that only the outer gradient's code and the outer step differ between runs:
   `sparse2bit_nesterov` the same codec under DiLoCo's momentum, to see what momentum does with
   error feedback;
 * `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0 (its error
-  feedback decay tuned too: `--tune_decays`).
+  feedback decay tuned too: `--tune_decays`);
+* `diloco_fp32_muon`, `dense_2bit_muon` — the same two with Muon as the inner optimizer (MuLoCo's
+  setting, the manifest's `inner.muon`); each is also compared with `diloco_fp32_muon`
+  (`eval_loss_ratio_same_inner`: what the codec alone costs), which runs whenever one of them does.
 
 Per run and seed (`--seeds`: each changes the initial weights and every replica's batch order) the
 eval loss of replica 0's global copy on the run's eval documents, a curve of it every `--eval_every`
@@ -23,7 +26,8 @@ rounds, and the payload bytes each peer sent (the codecs' real payloads). `spars
 run's eval loss / DiLoCo's (mean over seeds of the per-seed ratio); `sparse_outer.png`: loss against
 rounds and against bytes sent.
 
-`--tune` first picks each tunable run's outer lr (and sparse2bit's density, dense_2bit's momentum)
+`--tune` first picks each tunable run's outer lr (and sparse2bit's density, dense_2bit's momentum,
+and with `--tune_inner_lrs` every run's inner lr)
 on a validation split (held-out training documents, never the eval documents nor trained on) at
 `--tune_seed`, records every candidate's loss and the pick, and then runs the picks at `--seeds`.
 Density is picked among those within the record's byte budget (Covenant-72B's 146x fewer bytes than
@@ -57,7 +61,17 @@ RUNS: dict[str, dict] = {
     # error feedback decay as a knob too: a dense code's rounding error is unbiased noise that a decay
     # below 1 partly forgets, where SparseLoCo's top-k rest is momentum-like and meant to fade
     "dense_2bit": dict(codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")),
+    # MuLoCo: Muon inside (the manifest's inner.muon); its 2-bit result is with Muon, so the pair runs
+    # with its own fp32 reference and each reports its ratio to it beside the one to AdamW's DiLoCo
+    "diloco_fp32_muon": dict(
+        codec="fp32", fragments=1, tau=0, alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr",)
+    ),
+    "dense_2bit_muon": dict(
+        codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr", "momentum", "decay")
+    ),
 }
+#: a run's reference with the same inner optimizer (the codec's own cost), where not REFERENCE
+SAME_INNER_REFERENCE = {"diloco_fp32_muon": "diloco_fp32_muon", "dense_2bit_muon": "diloco_fp32_muon"}
 REFERENCE = "diloco_fp32"
 #: what runs without --runs: sparse2bit_nesterov only on request (it costs two more runs)
 DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit")
@@ -98,12 +112,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune_momenta", default="0,0.9")
     p.add_argument("--tune_decays", default="0.95,1", help="error feedback decay (runs that tune it)")
     p.add_argument("--tune_densities", default="1/128,1/64,92/4096", help="sparse2bit's kept share per chunk")
+    p.add_argument(
+        "--tune_inner_lrs",
+        default="",
+        help="inner (AdamW / Muon) peak lrs every run tries (default: none, the lab's --lr for all)",
+    )
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = set(args.runs) - set(RUNS)
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
+    for run in list(args.runs):  # a run's same-inner reference runs beside it
+        ref = SAME_INNER_REFERENCE.get(run)
+        if ref and ref not in args.runs:
+            args.runs.insert(args.runs.index(run), ref)
     if REFERENCE not in args.runs:
         args.runs.insert(0, REFERENCE)
     try:
@@ -111,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tune_lr_factors, args.tune_momenta = _floats(args.tune_lr_factors), _floats(args.tune_momenta)
         args.tune_densities = _floats(args.tune_densities)
         args.tune_decays = _floats(args.tune_decays)
+        args.tune_inner_lrs = _floats(args.tune_inner_lrs)
     except ValueError as e:
         p.error(f"--seeds / --tune_*: not a comma-separated list of numbers ({e})")
     if not args.seeds:
@@ -126,15 +150,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def candidates(run: dict, args: argparse.Namespace) -> list[dict]:
-    """The settings `--tune` tries for a run: its lr times each factor, × the other tuned knobs."""
+    """The settings `--tune` tries for a run: its lr times each factor, × the other tuned knobs.
+
+    Where momentum is tuned, each momentum's lrs keep the run's effective step lr / (1 - m): the
+    steady update of (Nesterov) momentum m is lr / (1 - m) times the outer gradient, so lr 0.7 at
+    0.9 is lr 7 without momentum. Scaling the same lrs across momenta (until session 25) tried
+    momentum 0 only at a tenth of the step and never SparseLoCo's shape (no momentum, a large lr)."""
     knobs = run.get("tune", ())
-    lrs = [run["lr"] * f for f in args.tune_lr_factors] if "lr" in knobs else [run["lr"]]
+    factors = args.tune_lr_factors if "lr" in knobs else [1.0]
     momenta = args.tune_momenta if "momentum" in knobs else [run["momentum"]]
     densities = args.tune_densities if "density" in knobs else [run.get("density")]
     decays = args.tune_decays if "decay" in knobs else [run.get("decay")]
+    inner_lrs = args.tune_inner_lrs or [run.get("inner_lr")]  # every run's, where given at all
+    effective = run["lr"] / (1 - run["momentum"])
     return [
-        {**run, "lr": lr, "momentum": m, "density": d, "decay": e}
-        for lr, m, d, e in itertools.product(lrs, momenta, densities, decays)
+        {
+            **run,
+            "lr": round(effective * (1 - m) * f, 6),
+            "momentum": m,
+            "density": d,
+            "decay": e,
+            "inner_lr": i,
+        }
+        for f, m, d, e, i in itertools.product(factors, momenta, densities, decays, inner_lrs)
     ]
 
 
@@ -161,7 +199,7 @@ def tune(pool, runs: dict[str, dict], args: argparse.Namespace) -> dict[str, dic
         ]
         best = min((c for c in scored if c["eligible"]), key=lambda c: c["validation_loss"])
         out[name] = dict(
-            picked={k: best[k] for k in ("lr", "momentum", "density", "decay")}, candidates=scored
+            picked={k: best[k] for k in ("lr", "momentum", "density", "decay", "inner_lr")}, candidates=scored
         )
         print(
             f"tuned {name}: {out[name]['picked']} (validation loss {best['validation_loss']:.4f})",
@@ -191,6 +229,8 @@ def summarise(runs: dict[str, dict], results: dict[str, dict], args: argparse.Na
     for name, run in runs.items():
         per_seed = results[name]
         ratios = [per_seed[s]["loss"] / ref[s]["loss"] for s in per_seed]
+        same = results.get(SAME_INNER_REFERENCE.get(name, REFERENCE), {})
+        same_ratios = [per_seed[s]["loss"] / same[s]["loss"] for s in per_seed if s in same]
         sent = [per_seed[s]["payload_bytes_per_peer"] for s in per_seed]
         ref_sent = [ref[s]["payload_bytes_per_peer"] for s in per_seed]
         out[name] = dict(
@@ -200,6 +240,8 @@ def summarise(runs: dict[str, dict], results: dict[str, dict], args: argparse.Na
             eval_loss=sum(r["loss"] for r in per_seed.values()) / len(per_seed),
             eval_loss_ratio=sum(ratios) / len(ratios),
             eval_loss_ratio_per_seed=ratios,
+            # × the fp32 run with the same inner optimizer: what the codec alone costs
+            eval_loss_ratio_same_inner=sum(same_ratios) / len(same_ratios) if same_ratios else None,
             bytes_ratio=sum(ref_sent) / sum(sent),
             payload_bytes_per_peer=sum(sent) / len(sent),
             wire_bits_per_value_per_round=next(iter(per_seed.values()))["wire_bits_per_value_per_round"],

@@ -25,6 +25,7 @@ def _candidate(c: dict) -> str:
     text = f"lr {c['lr']:g} m {c['momentum']:g}"
     text += "" if c["density"] is None else f" d {c['density']:.4g}"
     text += "" if c.get("decay") is None else f" ef decay {c['decay']:g}"
+    text += "" if c.get("inner_lr") is None else f" inner lr {c['inner_lr']:g}"
     text += f": {c['validation_loss']:.4f}"
     return text + ("" if c.get("eligible", True) else " (over the byte budget)")
 
@@ -38,18 +39,20 @@ def write_report(out: Path, report: dict) -> str:
         f"feedback decay {report['error_feedback_decay']}, seeds {report['seeds']}; eval loss of replica "
         f"0's global copy; settings {'tuned on the validation split' if report['tuned'] else 'as given'}",
         "",
-        "| run | codec | outer lr | momentum | α | density | ef decay | eval loss | × diloco_fp32 "
-        "| bytes: diloco / run | bits / value / round |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | inner (lr) | codec | outer lr | momentum | α | density | ef decay | eval loss "
+        "| × diloco_fp32 | × fp32, same inner | bytes: diloco / run | bits / value / round |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
         density = "" if r.get("density") is None else f"{r['density']:.4g}"
         decay = "" if r.get("decay") is None else f"{r['decay']:g}"
+        same = r.get("eval_loss_ratio_same_inner")
+        inner_lr = "" if r.get("inner_lr") is None else f" ({r['inner_lr']:g})"
         lines.append(
-            f"| {name} | {r['codec']} | {r['lr']:g} | {r['momentum']:g} | {r['alpha']:g} | {density} "
-            f"| {decay} "
-            f"| {r['eval_loss']:.4f} | {r['eval_loss_ratio']:.3f} | {r['bytes_ratio']:.1f} "
-            f"| {r['wire_bits_per_value_per_round']:.3f} |"
+            f"| {name} | {'Muon' if r.get('muon') else 'AdamW'}{inner_lr} | {r['codec']} | {r['lr']:g} "
+            f"| {r['momentum']:g} | {r['alpha']:g} | {density} | {decay} "
+            f"| {r['eval_loss']:.4f} | {r['eval_loss_ratio']:.3f} | {'' if same is None else f'{same:.3f}'} "
+            f"| {r['bytes_ratio']:.1f} | {r['wire_bits_per_value_per_round']:.3f} |"
         )
     for name, t in report.get("tuning", {}).items():
         tried = ", ".join(_candidate(c) for c in t["candidates"])

@@ -77,13 +77,17 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     momentum = run["momentum"]
     outer = OuterOptimizerConfig(lr=run["lr"], momentum=momentum, nesterov=momentum > 0)
     P, tau = run.get("fragments", args.fragments), run.get("tau", args.overlap_steps)
+    # MuLoCo's runs: Muon inside; a tuned inner lr replaces the lab's
+    inner = m.inner.model_copy(
+        update={"muon": bool(run.get("muon")), "lr": run.get("inner_lr") or m.inner.lr}
+    )
     loops = []
     for i in range(args.peers):
         # the seed sets the initial weights (the same for every replica, as a run's manifest does)
         # and each replica's batch order
         model = PathModel(m.model, (0,) * m.model.n_levels, seed=seed)
         batches = document_batches(train_docs, lab.tokenizer, m.seq_len, lab.args.batch_size, 1000 * seed + i)
-        loops.append(InnerLoop(model, batches, m.inner, total_steps=args.steps))
+        loops.append(InnerLoop(model, batches, inner, total_steps=args.steps))
     syncs = [
         {mid: ModuleSync(m.model, mid, part, outer, n_fragments=P) for mid, part in loop.model.parts.items()}
         for loop in loops

@@ -154,7 +154,7 @@ def test_memory_estimate_bounds_what_a_training_step_really_allocates(manifest_f
     model = PathModel(manifest.model, all_paths(manifest.model)[0], seed=0)
     params = sum(p.numel() for p in model.parameters())
     assert params == estimate.parameters
-    optimizer = make_inner_optimizer(model.parameters(), manifest.inner, "adamw")
+    optimizer = make_inner_optimizer(model, manifest.inner, "adamw")
     tokens = torch.randint(0, manifest.model.vocab_size, (batch, manifest.seq_len + 1))
     with torch.autograd.graph.saved_tensors_hooks(_count_saved, lambda t: t):
         _SAVED.clear()

@@ -34,7 +34,8 @@ class _Frozen(BaseModel):
 
 
 class InnerOptimizerConfig(_Frozen):
-    """AdamW on the local path (DiPaCo defaults), cosine schedule with linear warmup."""
+    """AdamW on the local path (DiPaCo defaults), cosine schedule with linear warmup; with `muon`,
+    Muon on the weight matrices of the path's linear layers (MuLoCo)."""
 
     lr: float = Field(4e-4, gt=0)
     warmup_steps: int = Field(50, ge=0)
@@ -43,6 +44,12 @@ class InnerOptimizerConfig(_Frozen):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip_norm: float = Field(1.0, gt=0)
+    muon: bool = Field(
+        False,
+        description="inner optimizer Muon on the linear layers' weight matrices (its update scaled to "
+        "AdamW's RMS, so the same lr and weight decay apply; momentum 0.95, Nesterov), AdamW on the rest: "
+        "MuLoCo, whose outer gradients compress to 2 bits with error feedback at next to no loss",
+    )
 
 
 class OuterOptimizerConfig(_Frozen):

@@ -114,7 +114,7 @@ class InnerLoop:
         self.batches = batches
         self.inner = inner
         self.total_steps = total_steps
-        self.opt = make_inner_optimizer(model.parameters(), inner)
+        self.opt = make_inner_optimizer(model, inner)
         self.step_count = 0
         self.tokens_since_sync = 0
         self.tokens_seen = 0  # all steps: what the benchmarks report as a model's token budget

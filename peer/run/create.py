@@ -99,6 +99,7 @@ def manifest_from_options(
         dataset = DatasetSpec(**settings.pop("dataset"), seed=o.seed)
         sync = SyncConfig(**settings.pop("sync"))
         outer = OuterOptimizerConfig(**settings.pop("outer"), nesterov=o.outer_momentum > 0)
+        inner = InnerOptimizerConfig(**settings.pop("inner"))
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
     # sparse codecs only: a dense one (dense2bit) sends every coordinate, so DiLoCo's step suits it
@@ -128,7 +129,8 @@ def manifest_from_options(
     for name in ("name", "seed", "seq_len", "tokenizer"):
         settings.pop(name)
     manifest = build_manifest(
-        o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, sync=sync, outer=outer, tokenizer=o.tokenizer,
+        o.name, model, dataset, seed=o.seed, seq_len=o.seq_len, sync=sync, inner=inner, outer=outer,
+        tokenizer=o.tokenizer,
         base=base, base_ref=base_ref, tokenizer_ref=tokenizer_ref, sections=settings,
     )  # fmt: skip
     update = {}

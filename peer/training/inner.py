@@ -43,16 +43,54 @@ def autocast_for(device: torch.device) -> AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
-def make_inner_optimizer(
-    params: Iterable[torch.nn.Parameter], inner: InnerOptimizerConfig, kind: str = "adamw"
-) -> torch.optim.Optimizer:
-    """AdamW with the run's settings; "adamw8bit" is bitsandbytes' 8-bit AdamW (CUDA only)."""
-    betas = (inner.beta1, inner.beta2)
-    if kind == "adamw8bit":
-        import bitsandbytes as bnb
+#: Muon's momentum (Keller Jordan's and torch's default); Moonlight's RMS match carries AdamW's lr over
+MUON_MOMENTUM = 0.95
 
-        return bnb.optim.AdamW8bit(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay)
-    return torch.optim.AdamW(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay)
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on the weight matrices of the model's linear layers, AdamW on every other parameter
+    (embeddings, norms, biases): one optimizer to the inner step, which sets every group's lr."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.optimizers = (muon, adamw)
+        super().__init__([p for o in self.optimizers for g in o.param_groups for p in g["params"]], {})
+        # the two optimizers' groups themselves (dicts), so that a lr set on them reaches both
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def make_inner_optimizer(
+    model: torch.nn.Module, inner: InnerOptimizerConfig, kind: str = "adamw"
+) -> torch.optim.Optimizer:
+    """AdamW with the run's settings; "adamw8bit" is bitsandbytes' 8-bit AdamW (CUDA only). With the
+    run's `inner.muon`, Muon takes the linear layers' weight matrices and that AdamW the rest."""
+    betas = (inner.beta1, inner.beta2)
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if kind == "adamw8bit":
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay)
+        return torch.optim.AdamW(params, lr=inner.lr, betas=betas, weight_decay=inner.weight_decay)
+
+    if not inner.muon:
+        return adamw(list(model.parameters()))
+    matrices = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    muon = torch.optim.Muon(
+        matrices, lr=inner.lr, weight_decay=inner.weight_decay, momentum=MUON_MOMENTUM,
+        nesterov=True, adjust_lr_fn="match_rms_adamw",
+    )  # fmt: skip
+    return MuonWithAdamW(muon, adamw(rest))
 
 
 def inner_step(

@@ -192,7 +192,7 @@ class Peer:
         self.model = PathModel(m.model, self.path, seed=m.seed, modules=modules).to(self.device)
         # DiPaCo gives each path its own inner optimizer: a path we rotate to starts a fresh one
         # (the old path's Adam moments belong to modules and a data shard we no longer train)
-        self.inner = make_inner_optimizer(self.model.parameters(), m.inner, self.config.inner_optimizer)
+        self.inner = make_inner_optimizer(self.model, m.inner, self.config.inner_optimizer)
         if kept is not None:  # start() made the metrics with the path's label
             self.metrics.set_path(str(path_index(m.model, self.path)))
         self.sync = PathSync(
