@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
+from peer.sync.sent_rounds import SentRounds
 from peer.sync.stragglers import MIN_ROUNDS, MIN_SECONDS, StragglerBound
-from tests.sync_members import MODULE, sync_group
+from tests.sync_members import MODULE, RUN_ID, make_member, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
 pytestmark = pytest.mark.swarm
@@ -171,3 +172,24 @@ def test_a_member_whose_late_partner_came_after_all_waits_longer_instead_of_runn
     # the next round waited for it: all three averaged, the same bits everywhere
     assert [res.outcome for res in second] == ["averaged"] * 3, [(res.detail, res.dropped) for res in second]
     assert all(torch.equal(res.delta, second[0].delta) for res in second)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_restarted_from_its_checkpoint_directory_keeps_the_pace_its_rounds_measured(
+    dht_factory, tmp_path
+):
+    """A peer killed after a few full rounds and started again with --resume reads its round pace back
+    with its record of rounds sent: its first round waits for a silent member as long as the recent
+    rounds allow, not the whole timeout (a churn run's restarted peer sat 33 s in its first round)."""
+    kept = SentRounds(tmp_path, RUN_ID)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0, sent={0: kept}) as members:
+        _pace(members, [m.peer_id for m in members], seed=100)
+        measured = members[0].runner.stragglers.seconds()
+        group = members[0].group
+    assert measured is not None
+    dht, key = dht_factory()
+    restarted = make_member(dht, key, group, sent=SentRounds(tmp_path, RUN_ID))
+    try:
+        assert restarted.runner.stragglers.seconds() == measured
+    finally:
+        restarted.service.shutdown()

@@ -118,7 +118,7 @@ class RoundRunner:
         self.me = service.peer_id
         wait = settings.averaging_timeout_seconds + settings.report_timeout_seconds
         self.sitting_out = SittingOut(service, self.sent, wait)
-        self.stragglers = StragglerBound()
+        self.stragglers = StragglerBound(self.sent.path.parent if self.sent.path else None, self.sent.run_id)
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
         #: bytes this peer sent for each round in flight (what its result reports)
         self._sent: dict[Key, int] = {}

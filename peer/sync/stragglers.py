@@ -21,12 +21,27 @@ the wait doubles (`cut_short`), up to the averaging timeout, until a round where
 the pace again: a slower group is caught up with. A member held up by a restart catches up by
 fetching state and joins at the current round, so it does not slow the survivors: doubling on every
 round that left someone out (tried first) cut the churn arm's tokens to half.
+
+The measured gathers are kept beside the rounds sent (`round_pace.json` in the checkpoint directory,
+for an hour): a peer restarted with `--resume`, or moved to another path (a new runner), starts with
+the pace it had measured instead of none. Without it a restarted peer's first round had no bound but
+the timeout: a churn run's restarted peer sat 33 s in its first round while the others, rounds ahead,
+left it out, and they waited for it as a straggler meanwhile. It is this peer's own measurement,
+read back from its own disk; a file that is not one is ignored with a warning (it is only a pace).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
 import statistics
+import time
 from collections import deque
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 #: a missing member is waited for at least this long, however fast the recent rounds were
 MIN_SECONDS = 5.0
@@ -40,22 +55,60 @@ WINDOW = 16
 MAX_BACKOFF = 64.0
 #: rounds that left a member out as late remembered, to see whether it came after all
 LEFT_OUT_REMEMBERED = 8
+#: the file of measured gathers, beside the rounds sent (`peer.sync.sent_rounds`)
+FILE_NAME = "round_pace.json"
+#: how long a kept pace is used after it was last measured (a day-old pace says little of today's links)
+KEPT_SECONDS = 3600.0
+#: a gather longer than this is not a pace (an averaging timeout is minutes at most)
+MAX_GATHER_SECONDS = 3600.0
 
 
 class StragglerBound:
     """The recent full rounds' gather times, and the wait they allow for a missing member."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: str | os.PathLike | None = None, run_id: str = "") -> None:
         self._seconds: deque[float] = deque(maxlen=WINDOW)
         #: doubles each time a member left out as late came after all, 1 again after a full round
         self._backoff = 1.0
         #: recent rounds (module, fragment, round) that left members out as late, and whom
         self._left_out: dict[tuple[str, int, int], set[str]] = {}
+        self.path = Path(directory) / FILE_NAME if directory is not None else None
+        self.run_id = run_id
+        if self.path is not None:
+            self._seconds.extend(self._read())
+
+    def _read(self) -> list[float]:
+        """The gathers an earlier life (or runner) of this peer measured in this run, within the hour."""
+        try:
+            data = json.loads(self.path.read_bytes())
+            kept, at = data["gather_seconds"], data["at"]
+            ok = isinstance(data["run"], str) and isinstance(kept, list) and len(kept) <= WINDOW
+            ok = ok and type(at) is float and math.isfinite(at)
+            ok = ok and all(type(x) is float and 0 <= x <= MAX_GATHER_SECONDS for x in kept)
+        except FileNotFoundError:
+            return []
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            logger.warning(f"{self.path} is not a record of round gathers; starting without a pace")
+            return []
+        fresh = data["run"] == self.run_id and 0 <= time.time() - at <= KEPT_SECONDS
+        return kept if fresh else []
 
     def record(self, seconds: float) -> None:
-        """A gather in which every member's part came took `seconds`."""
+        """A gather in which every member's part came took `seconds` (kept on disk for the next life)."""
         self._seconds.append(seconds)
         self._backoff = 1.0
+        if self.path is None or not math.isfinite(seconds):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:  # a hint for the next life: no fsync; a write that fails costs only the hint
+            tmp.write_text(
+                json.dumps({"run": self.run_id, "at": time.time(), "gather_seconds": list(self._seconds)})
+            )
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.debug(f"could not keep the round pace in {self.path}: {e}")
 
     def left_out(self, key: tuple[str, int, int], members: set[str]) -> None:
         """Round `key` left `members` out as late."""
