@@ -47,8 +47,8 @@ class InnerOptimizerConfig(_Frozen):
     muon: bool = Field(
         False,
         description="inner optimizer Muon on the linear layers' weight matrices (its update scaled to "
-        "AdamW's RMS, so the same lr and weight decay apply; momentum 0.95, Nesterov), AdamW on the rest: "
-        "MuLoCo, whose outer gradients compress to 2 bits with error feedback at next to no loss",
+        "AdamW's RMS, so the same lr and weight decay apply; momentum 0.95, Nesterov), AdamW on the rest "
+        "(MuLoCo; measured in docs/benchmarks/sparse_outer.md)",
     )
 
 
