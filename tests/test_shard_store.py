@@ -114,12 +114,17 @@ def test_a_nodes_storage_and_its_cache_under_one_cap_each_keep_their_own_best():
     assert newcomer[0] in kept and owners[0][0] not in kept and len(kept) == CAP
 
 
-def test_strangers_take_only_their_share_of_a_key_that_holds_admitted_records_and_all_of_one_without():
+def _key_with_a_strangers_share(share: int = 4):
+    """A capped key whose records without admission ("ok" is the admitted token) take `share` places
+    once it holds admitted ones, an empty storage and an expiry: (key, share, cap, storage, expiry)."""
     key = DHTID.generate(source=KEY)
-    share = 4
     cap = SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", unadmitted_cap=share)
     cap_keys(cap)
-    storage, expiry = DHTLocalStorage(), get_dht_time() + 600
+    return key, share, cap, DHTLocalStorage(), get_dht_time() + 600
+
+
+def test_strangers_take_only_their_share_of_a_key_that_holds_admitted_records_and_all_of_one_without():
+    key, share, cap, storage, expiry = _key_with_a_strangers_share()
     # an open run whose creator runs no authority: nobody is admitted, the whole cap is theirs
     for i in range(2 * CAP):
         storage.store_subkey(key, f"free{i}".encode(), record(f"Qf{i}", False), expiry)
@@ -148,11 +153,7 @@ def test_strangers_take_only_their_share_of_a_key_that_holds_admitted_records_an
 
 
 def test_strangers_that_filled_a_key_before_it_held_admitted_records_cannot_renew_past_their_share():
-    key = DHTID.generate(source=KEY)
-    share = 4
-    cap = SubkeyCap([key.to_bytes()], CAP, admitted=lambda peer, token: token == "ok", unadmitted_cap=share)
-    cap_keys(cap)
-    storage, expiry = DHTLocalStorage(), get_dht_time() + 600
+    key, share, cap, storage, expiry = _key_with_a_strangers_share()
     strangers = [(f"s{i}".encode(), f"Qs{i}") for i in range(CAP)]
     for subkey, peer in strangers:  # before any admitted peer claims: the whole cap is theirs
         assert storage.store_subkey(key, subkey, record(peer, False), expiry)
