@@ -10,6 +10,12 @@ another's, and a mover's new claim reaches its path's holders at once (HELLO) bu
 that moved it only at their next heartbeat. A peer that re-planned on such a half-renewed view could
 pick another mover than the plan on the full view, and both would move (the live re-plan test saw
 three movers where the plan has two). The price is one heartbeat of reaction.
+
+A claim change that the plan on our previous view already asked for (a mover went where that plan
+sends it, or a peer only became ready or not) is no news: it does not start the wait again. Without
+this, the plan's second mover took the first one's move for a new change and waited a round more;
+with rounds of 20-70 s after a link slowed, it had not moved when the benchmark's arm ended
+(scheduler_live, session 22: one move of the two the plan asked for, in each run).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class OnlineReplanner:
             membership.config.heartbeat_seconds if settle_seconds is None else settle_seconds
         )
         self._inputs: tuple[frozenset[str], str, str] | None = None
+        #: the claims and snapshot of the last look (to tell a move the plan asked for from news)
+        self._view: tuple[dict, object] | None = None
         #: the first change not decided on yet, and when the views last changed (monotonic seconds)
         self._pending: str | None = None
         self._changed_at = 0.0
@@ -78,6 +86,18 @@ class OnlineReplanner:
             return "measurement"
         return "claims" if inputs[1] != before[1] else None
 
+    def _planned(self, claims_before: dict, snapshot_before, claims: dict) -> bool:
+        """Whether every peer whose path changed since the last look went where the plan on that
+        look sends it (a peer that only became ready, or not, counts as planned)."""
+        moved = {
+            p: c.path for p, c in claims.items() if p in claims_before and claims_before[p].path != c.path
+        }
+        if not moved:
+            return True
+        m = self.membership
+        plan = online_move(m.manifest, snapshot_before, claims_before, m.peer_id, stable_seed(m.run_id)).plan
+        return all(plan.path_of_peer.get(p) == k for p, k in moved.items())
+
     def decide(self, outer_round: int) -> Rotation | None:
         """Our move at the end of `outer_round` (None: we stay), from the heartbeat's views."""
         m = self.membership
@@ -87,8 +107,11 @@ class OnlineReplanner:
         claims[m.peer_id] = m.claim_record()  # our claim as it is now, not as last published
         now = self.clock()
         change = self._changed(claims, m.snapshot)
+        before, self._view = self._view, (claims, m.snapshot)
         if change is not None:
-            self._pending, self._changed_at = self._pending or change, now
+            if not (change == "claims" and before is not None and self._planned(*before, claims)):
+                self._changed_at = now
+            self._pending = self._pending or change
         if self._pending is None and not self._retry:
             return None
         if self._pending is not None and now - self._changed_at < self.settle_seconds:
