@@ -5,7 +5,7 @@ view it already keeps, so a round starts the moment a member's outer gradient is
 
 1. **gather** — the member sends its encoded Δ (with its standing: the creator's admission token, or
    none on probation) to every other member and collects theirs, until every member delivered, could
-   not be reached, or `averaging_timeout` passed;
+   not be reached, or `averaging_timeout` passed; a holder whose Δ comes later is sent ours too;
 2. **report** — it signs and sends every member what it received (sender -> digest of weight,
    standing and payload) and the digest of its own copy of the fragment before the round;
 3. **echo** — it relays every signed report it holds to every member that reported, so that all of
@@ -62,8 +62,7 @@ FAR_BEHIND = "refused (ahead"
 
 @dataclass
 class RoundResult:
-    """What one round produced for this member. `delta` is the group's aggregate (or our own Δ when
-    nobody else took part)."""
+    """What one round produced for this member. `delta`: the group's aggregate (alone: our own Δ)."""
 
     #: "averaged" | "excluded" (our Δ was left out) | "alone" | "incomplete" (an agreed part could
     #: not be fetched: we applied the rest, the next round's digests repair us) | "behind" (others are
@@ -79,8 +78,7 @@ class RoundResult:
     members: list[str] = field(default_factory=list)
     #: expected members left out of the aggregate, with why ("missing", "unreachable", "disputed")
     dropped: dict[str, str] = field(default_factory=dict)
-    #: our copy differed from a strict majority of the voters before the round: download the state of
-    #: one of these members (after it applied this round too)
+    #: our copy differed from the voters' strict majority before the round: fetch the state of one of these
     repair_from: list[str] = field(default_factory=list)
     bad_parts: dict[str, int] = field(default_factory=dict)
     #: members that had already applied this round: we are behind them and must fetch their state
@@ -217,12 +215,14 @@ class RoundRunner:
         bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
+        def answer(slot, failed=failed, took=took) -> bool:  # a holder that sent us its part gets ours
+            for s in [s for s in slot.deliveries if s != self.me and s not in others]:
+                others.append(s)
+                sends.append(asyncio.create_task(self._send(s, frames, deadline, failed, key, took=took)))
+            return False
+
         def gathered(slot) -> bool:
-            for sender in slot.deliveries:
-                if sender != self.me and sender not in others:  # joined while we gather: send it ours
-                    others.append(sender)
-                    send = self._send(sender, frames, deadline, failed, key, took=took)
-                    sends.append(asyncio.create_task(send))
+            answer(slot)
             for m in others:
                 # a member that said it stops holding the module (moving or leaving), or whose claim
                 # went, will not send its own: waiting for it would hold the round, and our own
@@ -257,6 +257,8 @@ class RoundRunner:
             await inbox.wait(key, gathered, deadline)
         finally:
             probe.cancel()
+        # one whose part comes after our gather (it began later) counts us a member and waits for ours
+        sends.append(asyncio.create_task(inbox.wait(key, lambda s: answer(s, {}, None), deadline)))
         if all(m in slot.deliveries for m in others):
             self.stragglers.record(loop.time() - started)
         elif bound is not None and (late := {m for m, w in failed.items() if w == StragglerBound.why(bound)}):
@@ -357,9 +359,8 @@ class RoundRunner:
             self.service.inbox.slot(key).changed.set()
 
     def _outnumber(self, group: list[str], took: set[str]) -> list[str]:
-        """`group` if more of its members have standing than members that took our Δ (which says
-        they are at this round), else []: one key answering anything is not followed, and members
-        that did not answer at all decide nothing."""
+        """`group` if more of its members have standing than those that took our Δ (at this round),
+        else []: one key answering anything is not followed; members that did not answer decide nothing."""
         voters = set(self.service.inbox.standing.among([*group, *took]))
         return group if group and len(voters & set(group)) > len(voters & took) else []
 
@@ -368,8 +369,7 @@ class RoundRunner:
         return self._outnumber(sorted(m for m, why in failed.items() if why == "ahead"), took)
 
     def _lagging(self, failed: dict[str, str], took: set[str]) -> list[str]:
-        """The members far behind this round (they refused it as beyond their lookahead), if they
-        outnumber those at it."""
+        """Members far behind this round (it was past their lookahead), if they outnumber those at it."""
         return self._outnumber(sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND)), took)
 
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:
