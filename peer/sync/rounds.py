@@ -219,7 +219,7 @@ class RoundRunner:
             for s in [s for s in slot.deliveries if s != self.me and s not in others]:
                 others.append(s)
                 sends.append(asyncio.create_task(self._send(s, frames, deadline, failed, key, took=took)))
-            return False
+            return inbox.current.get(key[:2], 0) > key[2]  # past the round here: its parts are refused
 
         def gathered(slot) -> bool:
             answer(slot)
