@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
-from tests.sync_members import MODULE, fp32_bytes, send_delta, sync_group
+from tests.sync_members import MODULE, fp32_bytes, make_member, send_delta, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
 pytestmark = pytest.mark.swarm
@@ -46,3 +47,81 @@ def test_a_holder_whose_part_came_after_a_members_gather_gets_that_members_part_
         [f.result(timeout=60) for f in futures]
     assert {a.peer_id, b.peer_id} <= set(result.members), (result.outcome, result.detail, result.dropped)
     assert seconds < AVERAGING_TIMEOUT / 2, (seconds, result.outcome, result.dropped)
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_holder_that_our_part_did_not_reach_gets_it_when_its_own_part_comes(
+    dht_factory, tmp_path
+):
+    """goodput's churn arm: a restarted peer was still starting when the others sent it their parts
+    (unreachable), then joined the same round and sent its own; they took its part but never sent
+    theirs again, so it waited for them until the straggler bound (5 s) — and a member that had its
+    part waited as long for its report, and the rest of the group for that member's echo. Here A and
+    B start a round of A, B, C and D while C is down (D's part came and its report never does, so
+    their report phase lasts the report timeout); C, started again with the same key, joins the round."""
+    path = str(tmp_path / "c.key")
+    with sync_group(
+        dht_factory,
+        4,
+        NUMEL,
+        averaging_timeout=AVERAGING_TIMEOUT,
+        report_timeout=6.0,
+        identity_paths={2: path},
+    ) as members:
+        a, b, c, d = members
+        c.service.shutdown()
+        c.dht.shutdown()
+        deltas = deltas_for(4, seed=91)
+        for m in (a, b):
+            assert send_delta(d, m, fp32_bytes(deltas[3]), NUMEL).ok
+        everyone = [m.peer_id for m in members]
+        futures = [
+            m.runner.start((MODULE, 0, 0), x, 1.0, everyone, "0" * 64)
+            for m, x in zip((a, b), deltas[:2], strict=True)
+        ]
+        time.sleep(1.0)  # A and B found C unreachable and wait for D's report
+        dht, key = dht_factory(identity_path=path)
+        again = make_member(dht, key, c.group)
+        members[2] = again  # shut down at the group's end
+        started = time.monotonic()
+        late = again.runner.start(
+            (MODULE, 0, 0), deltas[2], 1.0, [a.peer_id, b.peer_id, again.peer_id], "0" * 64
+        )
+        result = late.result(timeout=60)
+        seconds = time.monotonic() - started
+        [f.result(timeout=60) for f in futures]
+    assert {a.peer_id, b.peer_id} <= set(result.members), (result.outcome, result.detail, result.dropped)
+    assert seconds < AVERAGING_TIMEOUT / 2, (seconds, result.outcome, result.dropped)
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_holder_answered_after_our_report_gets_the_report_too_and_keeps_the_same_copy(
+    dht_factory, tmp_path
+):
+    """The same restart where our report went out before the holder's part came: it is sent our part
+    and our report. With the part alone it decided on its own report, which counts its part and ours,
+    while our report (and so the round's voters) leaves its part out: the pair's copies split (the
+    churn arm's `rounds_split`). A's round has A, R (down) and D (its part came, its report never
+    does, so A decides at the report timeout); R, started again with the same key, counts A and R."""
+    path = str(tmp_path / "r.key")
+    with sync_group(
+        dht_factory,
+        3,
+        NUMEL,
+        averaging_timeout=AVERAGING_TIMEOUT,
+        report_timeout=6.0,
+        identity_paths={1: path},
+    ) as members:
+        a, r, d = members
+        r.service.shutdown()
+        r.dht.shutdown()
+        deltas = deltas_for(3, seed=92)
+        assert send_delta(d, a, fp32_bytes(deltas[2]), NUMEL).ok
+        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, [m.peer_id for m in members], "0" * 64)
+        time.sleep(1.0)  # A found R unreachable, reported {A, D} and waits for D's report
+        dht, key = dht_factory(identity_path=path)
+        again = make_member(dht, key, r.group)
+        members[1] = again  # shut down at the group's end
+        late = again.runner.start((MODULE, 0, 0), deltas[1], 1.0, [a.peer_id, again.peer_id], "0" * 64)
+        ours, theirs = first.result(timeout=60), late.result(timeout=60)
+    assert torch.equal(ours.delta, theirs.delta), (ours.outcome, ours.members, theirs.outcome, theirs.members)

@@ -31,6 +31,7 @@ from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate_with_t
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.reports import agreed_senders, majority_state
 from peer.sync.service import SyncService
+from peer.sync.standing import Standing
 from peer.sync.wire import Ack, Kind
 
 logger = logging.getLogger(__name__)
@@ -114,3 +115,24 @@ def copies_verdict(
 def agreed_parts(slot, voters: list[str], excluded: set[str]) -> dict[str, str]:
     honest = slot.reports.honest()
     return agreed_senders(honest, voters, excluded)
+
+
+#: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
+FAR_BEHIND = "refused (ahead"
+
+
+def _outnumber(standing: Standing, group: list[str], took: set[str]) -> list[str]:
+    """`group` if more of its members have standing than those that took our Δ (at this round),
+    else []: one key answering anything is not followed; members that did not answer decide nothing."""
+    voters = set(standing.among([*group, *took]))
+    return group if group and len(voters & set(group)) > len(voters & took) else []
+
+
+def past_round(standing: Standing, failed: dict[str, str], took: set[str]) -> list[str]:
+    """The members past this round (they answered "stale"), if they outnumber those at it."""
+    return _outnumber(standing, sorted(m for m, why in failed.items() if why == "ahead"), took)
+
+
+def lagging(standing: Standing, failed: dict[str, str], took: set[str]) -> list[str]:
+    """Members far behind this round (it was past their lookahead), if they outnumber those at it."""
+    return _outnumber(standing, sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND)), took)

@@ -93,3 +93,13 @@ def fragments_due(step: int, inner_steps: int, n_fragments: int) -> list[int]:
     """Fragments whose sync starts after inner step `step` (1-based count of completed steps)."""
     offsets = sync_offsets(inner_steps, n_fragments)
     return [p for p, t in enumerate(offsets) if step > 0 and step >= t and (step - t) % inner_steps == 0]
+
+
+def next_due(step: int, inner_steps: int, n_fragments: int) -> tuple[int, int]:
+    """(schedule step, fragment) of the first fragment sync due after inner step `step` or at it."""
+    due = []
+    for p, t in enumerate(sync_offsets(inner_steps, n_fragments)):
+        first = t if t > 0 else inner_steps  # no sync at step 0
+        at = first if step <= first else first + math.ceil((step - first) / inner_steps) * inner_steps
+        due.append((at, p))
+    return min(due)

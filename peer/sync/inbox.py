@@ -96,6 +96,9 @@ class _Slot:
     #: senders whose header we accepted and whose payload is still coming: on its way, not late
     #: (`stragglers.py`: a slow link is not a silent member)
     incoming: set[str] = field(default_factory=set)
+    #: the senders of `deliveries`, replaced whole on each arrival: the training thread reads it
+    #: (`Inbox.senders`) while the service's loop adds to the dictionary
+    senders: frozenset[str] = frozenset()
 
 
 class Inbox:
@@ -206,6 +209,11 @@ class Inbox:
         self.current[(module, fragment)] = round_index
         for key in [k for k in self._slots if k[0] == module and k[1] == fragment and k[2] < round_index]:
             self._slots.pop(key)
+
+    def senders(self, key: Key) -> frozenset[str]:
+        """Who sent us a part for round `key` so far; safe to call from another thread."""
+        slot = self._slots.get(key)
+        return slot.senders if slot is not None else frozenset()
 
     def keep_parts(self, key: Key, parts: dict[str, Delivery]) -> None:
         """Keeps the parts a round agreed on a while, for members that missed some of them."""
@@ -343,6 +351,7 @@ class Inbox:
         if delivery.sender in slot.deliveries:
             raise Refused("duplicate", "one outer gradient per sender and round")
         slot.deliveries[delivery.sender] = delivery
+        slot.senders = slot.senders | {delivery.sender}
         slot.changed.set()
 
     def add_report(self, sender: str, report: Report) -> None:

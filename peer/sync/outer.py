@@ -31,7 +31,7 @@ from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
 from peer.faults import fault_point
-from peer.sync.fragments import fragments_due, sync_offsets
+from peer.sync.fragments import fragments_due, next_due, sync_offsets
 from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
 from peer.sync.rounds import RoundResult, RoundRunner
@@ -225,6 +225,10 @@ class StreamingOuter:
         self._tokens_at_sync = [0] * manifest.sync.fragments
         self.totals = totals if totals is not None else SyncTotals()
         self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.sync.inner_steps, self.sync.fragments)
+        #: until our first fragment sync after we took a run's rounds in progress (`align`: a resume, a
+        #: download, a move): our schedule is at a round's first step, the other holders may be most of
+        #: the way through it (`_join_the_group`). A new swarm's peers start together (its barrier).
+        self.joining = False
 
     def reset_tokens(self, tokens_total: int) -> None:
         self._tokens_at_sync = [tokens_total] * self.sync.fragments
@@ -233,16 +237,52 @@ class StreamingOuter:
         """Puts the schedule where a module with these fragment rounds is in it (after a restore or
         a download), so this peer syncs each fragment when its other holders do."""
         self.clock = sync_clock(sum(rounds), self.inner_steps, self.sync.fragments)
+        self.joining = sum(rounds) > 0
 
     def tick(self, tokens_total: int, holders: dict[str, list[str]]) -> list[tuple[ModuleSync, int, str]]:
         """Advances the schedule by one inner step and starts the syncs due now; returns each started
         (module, fragment, digest of the copy its round reports)."""
         self.overlap.step_ended()
         self.clock += 1
+        if self.joining:
+            self._join_the_group(holders)
         started = []
         for fragment in fragments_due(self.clock, self.inner_steps, self.sync.fragments):
+            self.joining = False
             started += self._start(fragment, tokens_total, holders)
         return started
+
+    def _join_the_group(self, holders: dict[str, list[str]]) -> None:
+        """Starts the next fragment sync now if most of a module's other holders already sent us
+        their parts for it. A peer that (re)joined a run in progress — a restart, a download, a move
+        — takes the module's round but not the time into it: the holders are up to H steps ahead of
+        its schedule and would wait for its part, the straggler wait (seconds) at every join of a
+        churning swarm. Its first round is cut short instead: its Δ of the steps it made and their
+        tokens as its weight. Most means a strict majority of the other holders with standing
+        (`Standing.among`), never a count of keys; and only the first round after a join is cut."""
+        if self.runner is None:
+            return
+        due, fragment = next_due(self.clock, self.inner_steps, self.sync.fragments)
+        if due == self.clock:
+            return
+        inbox = self.runner.service.inbox
+        round_index = self.round_of() if self.round_of else 0
+        for mid, ms in self.syncs.items():
+            sent = inbox.senders((mid, fragment, ms.fragment_rounds[fragment]))
+            if not sent:
+                continue
+            group = self.group_of(mid, round_index) if self.group_of else None
+            members = group[1] if group is not None else holders.get(mid, [])
+            others = [p for p in members if p != self.peer_id]
+            voters = inbox.standing.among(others) if others else []
+            if voters and 2 * len(sent & set(voters)) > len(voters):
+                logger.info(
+                    f"{mid}: {len(sent & set(voters))} of {len(voters)} other holders already sent their "
+                    f"parts of fragment {fragment}'s round {ms.fragment_rounds[fragment]}: joining it "
+                    f"{due - self.clock} steps early"
+                )
+                self.clock = due
+                return
 
     def due(self) -> list[PendingSync]:
         """The syncs whose τ ran out, taken off the schedule (the caller collects and applies them)."""

@@ -1,8 +1,8 @@
 """Is a silent member still there? While a round waits for a member's part or report, it asks the
-member every `PROBE_SECONDS` whether it answers at all (a standing query: one small frame and an
-ACK). A peer killed mid-round sends nothing and says nothing, but its host refuses the connection at
-once: it is not waited for up to the averaging or report timeout. A slow answer is no verdict (a busy
-peer is not a gone one).
+member after `PROBE_FIRST_SECONDS`, then every `PROBE_SECONDS`, whether it answers at all (a standing
+query: one small frame and an ACK). A peer killed mid-round sends nothing and says nothing, but its
+host refuses the connection at once: it is not waited for up to the averaging or report timeout. A
+slow answer is no verdict (a busy peer is not a gone one).
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from peer.sync import wire
 from peer.sync.service import SyncService
 from peer.sync.wire import Kind
 
-PROBE_SECONDS = 2.0
+#: the first question, soon after the wait began: a member killed before the round began is found
+#: within this (its host refuses the dial), instead of at the straggler bound (5 s or more)
+PROBE_FIRST_SECONDS = 0.5
+PROBE_SECONDS = 1.0
 PROBE_TIMEOUT_SECONDS = 5.0
 
 
@@ -25,9 +28,9 @@ async def probe_silent(
     failed: dict[str, str],
     deadline: float,
 ) -> None:
-    """Until `deadline` (the loop's clock), every PROBE_SECONDS asks each member `silent()` names (those
-    still awaited) whether it answers; one whose host refuses us goes into `failed` as unreachable,
-    and the round's slot is woken so that its wait looks again."""
+    """Until `deadline` (the loop's clock), from PROBE_FIRST_SECONDS on, every PROBE_SECONDS asks each
+    member `silent()` names (those still awaited) whether it answers; one whose host refuses us goes
+    into `failed` as unreachable, and the round's slot is woken so that its wait looks again."""
     loop = asyncio.get_running_loop()
     slot = service.inbox.slot(key)
     query = wire.StandingQuery(run=service.run, module=key[0], peer=service.peer_id)
@@ -43,6 +46,16 @@ async def probe_silent(
                 failed.setdefault(member, f"unreachable (stopped answering: {type(e).__name__})")
                 slot.changed.set()
 
-    while loop.time() + PROBE_SECONDS < deadline:
-        await asyncio.sleep(PROBE_SECONDS)
-        await asyncio.gather(*(ask(m) for m in silent()))
+    # one question in flight per member: a slow answer (up to the probe timeout) holds up nobody
+    # else's question
+    asking: dict[str, asyncio.Task] = {}
+    try:
+        await asyncio.sleep(PROBE_FIRST_SECONDS)
+        while loop.time() < deadline:
+            for member in silent():
+                if member not in asking or asking[member].done():
+                    asking[member] = asyncio.create_task(ask(member))
+            await asyncio.sleep(PROBE_SECONDS)
+    finally:
+        for task in asking.values():
+            task.cancel()

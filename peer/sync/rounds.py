@@ -38,7 +38,7 @@ import torch
 from peer.codecs.formats import Codec
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
-from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part
+from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part, lagging, past_round
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.probe import probe_silent
 from peer.sync.reports import sign_report
@@ -56,8 +56,6 @@ RETRY_SECONDS = 0.5
 #: a member that said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already)
 SAT_OUT = "sat out (it sent this round already)"
 GONE = ("unreachable", "ahead", LEFT, SAT_OUT)
-#: how a member that refused our round as beyond its lookahead (it is far behind us) is recorded
-FAR_BEHIND = "refused (ahead"
 
 
 @dataclass
@@ -215,10 +213,19 @@ class RoundRunner:
         bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
-        def answer(slot, failed=failed, took=took) -> bool:  # a holder that sent us its part gets ours
-            for s in [s for s in slot.deliveries if s != self.me and s not in others]:
-                others.append(s)
-                sends.append(asyncio.create_task(self._send(s, frames, deadline, failed, key, took=took)))
+        ours, answered = failed, set()  # this round's failures (the call after the gather gets {})
+
+        def answer(slot, failed=failed, took=took) -> bool:
+            # a holder that sent us its part gets ours: one we did not count (it began later) and one
+            # our part did not reach (a restarted peer, still starting when we sent); each waits for it
+            for s in [s for s in slot.deliveries if s != self.me and s not in answered]:
+                if s not in others or ours.get(s, "").startswith("unreachable"):
+                    answered.add(s)
+                    if s in others:
+                        failed.pop(s, None)  # recorded anew if it fails again
+                    else:
+                        others.append(s)
+                    sends.append(asyncio.create_task(self._answer(s, frames, deadline, failed, key, took)))
             return inbox.current.get(key[:2], 0) > key[2]  # past the round here: its parts are refused
 
         def gathered(slot) -> bool:
@@ -264,6 +271,13 @@ class RoundRunner:
         elif bound is not None and (late := {m for m, w in failed.items() if w == StragglerBound.why(bound)}):
             self.stragglers.left_out(key, late)
         return sends
+
+    async def _answer(self, member: str, frames, deadline: float, failed: dict, key: Key, took) -> None:
+        """Our part to a holder whose part came after we sent ours, then our report if signed already:
+        else it decides on its report alone and counts its part, which ours left out (copies split)."""
+        await self._send(member, frames, deadline, failed, key, took=took)
+        if (report := self.service.inbox.slot(key).reports.reports.get(self.me)) is not None:
+            await self._send(member, [wire.pack_header(Kind.REPORT, report)], deadline, {}, key, inbox=False)
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
         """Signs and sends our report, waits for the others', then relays every report we hold."""
@@ -358,24 +372,10 @@ class RoundRunner:
         if inbox:
             self.service.inbox.slot(key).changed.set()
 
-    def _outnumber(self, group: list[str], took: set[str]) -> list[str]:
-        """`group` if more of its members have standing than those that took our Δ (at this round),
-        else []: one key answering anything is not followed; members that did not answer decide nothing."""
-        voters = set(self.service.inbox.standing.among([*group, *took]))
-        return group if group and len(voters & set(group)) > len(voters & took) else []
-
-    def _behind(self, failed: dict[str, str], took: set[str]) -> list[str]:
-        """The members past this round (they answered "stale"), if they outnumber those at it."""
-        return self._outnumber(sorted(m for m, why in failed.items() if why == "ahead"), took)
-
-    def _lagging(self, failed: dict[str, str], took: set[str]) -> list[str]:
-        """Members far behind this round (it was past their lookahead), if they outnumber those at it."""
-        return self._outnumber(sorted(m for m, why in failed.items() if why.startswith(FAR_BEHIND)), took)
-
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:
         inbox = self.service.inbox
         standing = inbox.standing
-        ahead = self._behind(failed, took)
+        ahead = past_round(standing, failed, took)
         if ahead:  # others finished this round without us: catch up rather than go on alone
             detail = f"{len(ahead)} members are past this round"
             return RoundResult("behind", own, 1, members=[self.me], ahead=ahead, detail=detail)
@@ -404,8 +404,8 @@ class RoundRunner:
                 parts[sender] = got
         dropped = self._dropped(key, members, parts, agreed, caught, failed, slot)
         if not parts:  # nothing the voters agree on: go on with our own
-            detail, lagging = "no part a majority of voters agreed on", self._lagging(failed, took)
-            return RoundResult("alone", own, 1, dropped=dropped, detail=detail, lagging=lagging)
+            detail, behind = "no part a majority of voters agreed on", lagging(standing, failed, took)
+            return RoundResult("alone", own, 1, dropped=dropped, detail=detail, lagging=behind)
         aggregated, taken = await combine(parts, standing, self.settings.aggregator)
         inbox.keep_parts(key, parts)
         inbox.note_accepted(key[0], taken)  # what an authority asks when it weighs a key's probation
@@ -427,7 +427,7 @@ class RoundRunner:
             logger.debug(f"{key}: left out of the average: {dropped}")
         return RoundResult(
             outcome, aggregated, len(parts), members=sorted(parts), dropped=dropped, repair_from=repair,
-            merge_with=merge_with, detail=detail, lagging=self._lagging(failed, took),
+            merge_with=merge_with, detail=detail, lagging=lagging(standing, failed, took),
         )  # fmt: skip
 
     def _dropped(self, key, members, parts, agreed, caught, failed, slot) -> dict[str, str]:

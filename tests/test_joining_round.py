@@ -1,0 +1,96 @@
+"""A holder that joins a run in progress syncs with the holders that are ahead of it in time.
+
+A restarted (or newly downloaded, or moved) peer takes its module's round from the holders, but its
+schedule starts at that round's first step while they are most of the way through it: before, each
+round of theirs waited for its part until the straggler bound ran out (seconds, at every restart of a
+churning swarm; `benchmarks.goodput`'s kill arm). Real members on real DHT nodes here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from monitoring.metrics import PeerMetrics
+from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
+from peer.model.grid import ModelConfig
+from peer.model.transformer import PathModel
+from peer.sync.module_sync import ModuleSync
+from peer.sync.outer import StreamingOuter
+from tests.sync_members import MODULE, sync_group
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
+H = 10
+#: the module's round when the joiner took its state
+ROUND = 3
+#: long enough that a round waiting for the joiner's full window could not end within the test's bound
+TIMEOUT_SECONDS = 30.0
+
+
+def _wait_for_parts(loop: StreamingOuter, senders: set[str], seconds: float = 15.0) -> None:
+    key = (MODULE, 0, ROUND)
+    deadline = time.monotonic() + seconds
+    while not senders <= loop.runner.service.inbox.senders(key):
+        assert time.monotonic() < deadline, f"parts of {senders} never reached the joiner"
+        time.sleep(0.05)
+
+
+def test_a_joiner_starts_its_first_round_when_most_holders_sent_theirs_so_nobody_waits_for_it(dht_factory):
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
+    base = PathModel(CFG, (0, 0), seed=3)
+    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS) as members:
+        holders = {MODULE: [m.peer_id for m in members]}
+        models = [copy.deepcopy(base) for _ in members]
+        syncs = [ModuleSync(CFG, MODULE, m.parts[MODULE], outer, 1) for m in models]
+        loops = [
+            StreamingOuter({MODULE: ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
+            for m, ms in zip(members, syncs, strict=True)
+        ]
+        for m, ms, loop in zip(members, syncs, loops, strict=True):  # at round 3: the joiner took it
+            ms.fragment_rounds = [ROUND]
+            loop.align(ms.fragment_rounds)
+            m.service.call(_set_current(m, ROUND))  # as `PathSync._track` does
+        first, second, joiner = loops
+        first.joining = second.joining = False  # in step: their first round after a join is long past
+        with torch.no_grad():  # what training did to each local copy since the round began
+            for i, model in enumerate(models):
+                for p in model.parts[MODULE].parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3)
+        began = time.monotonic()
+        # each loop is ticked as `PathSync.after_step` does; rounds are collected at the end (drain)
+        for step in range(1, H + 1):  # the first holder made its H steps: its round starts
+            first.tick(100 * step, holders)
+        _wait_for_parts(joiner, {members[0].peer_id})
+        joiner.tick(100, holders)
+        # one of the two others is no majority: the joiner keeps training
+        assert joiner.clock == ROUND * H + 1 and not joiner.pending
+        for step in range(1, H + 1):
+            second.tick(100 * step, holders)
+        _wait_for_parts(joiner, {members[0].peer_id, members[1].peer_id})
+        joiner.tick(200, holders)
+        started = joiner.clock == (ROUND + 1) * H and len(joiner.pending) == 1
+        assert started, "the joiner's round did not start with theirs"
+        results = []
+        for loop in loops:
+            (pending,) = loop.drain()
+            results.append(loop.collect(pending)[MODULE])
+            loop.apply(pending, MODULE, results[-1])
+        took = time.monotonic() - began
+    assert [r.outcome for r in results] == ["averaged"] * 3, [(r.outcome, r.detail) for r in results]
+    assert all(sorted(r.members) == sorted(holders[MODULE]) for r in results)
+    assert took < TIMEOUT_SECONDS / 2, f"the holders waited for the joiner: {took:.1f} s"
+    assert torch.equal(syncs[0].global_flats[0], syncs[2].global_flats[0])
+    assert torch.equal(syncs[1].global_flats[0], syncs[2].global_flats[0])
+    assert not joiner.joining  # only the first round after a join is cut short
+
+
+async def _set_current(member, round_index: int) -> None:
+    member.service.inbox.set_current(MODULE, 0, round_index)
