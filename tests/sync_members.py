@@ -121,6 +121,22 @@ def sync_group(
             m.service.shutdown()
 
 
+def restart(dht_factory, members: list[Member], i: int, identity_path: str, sent: SentRounds | None = None):
+    """Member i of a test group killed (its sync service and DHT node shut down) and, with `start`,
+    started again later with the same key (kept at `identity_path`, as `sync_group` was told): the
+    new member takes its place in `members`, so the group shuts it down at its end."""
+    old = members[i]
+    old.service.shutdown()
+    old.dht.shutdown()
+
+    def start() -> Member:
+        dht, key = dht_factory(identity_path=identity_path)
+        members[i] = make_member(dht, key, old.group, sent=sent)
+        return members[i]
+
+    return start
+
+
 def run_round(members: list[Member], deltas, weights, round_index: int = 0, digest: str = "0" * 64):
     ids = [m.peer_id for m in members]
     futures = [

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.sync_members import MODULE, fp32_bytes, make_member, send_delta, sync_group
+from tests.sync_members import MODULE, fp32_bytes, restart, send_delta, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
 pytestmark = pytest.mark.swarm
@@ -69,20 +69,17 @@ def test_a_restarted_holder_that_our_part_did_not_reach_gets_it_when_its_own_par
         identity_paths={2: path},
     ) as members:
         a, b, c, d = members
-        c.service.shutdown()
-        c.dht.shutdown()
+        start_c = restart(dht_factory, members, 2, path)
         deltas = deltas_for(4, seed=91)
         for m in (a, b):
             assert send_delta(d, m, fp32_bytes(deltas[3]), NUMEL).ok
-        everyone = [m.peer_id for m in members]
+        everyone = [a.peer_id, b.peer_id, c.peer_id, d.peer_id]
         futures = [
             m.runner.start((MODULE, 0, 0), x, 1.0, everyone, "0" * 64)
             for m, x in zip((a, b), deltas[:2], strict=True)
         ]
         time.sleep(1.0)  # A and B found C unreachable and wait for D's report
-        dht, key = dht_factory(identity_path=path)
-        again = make_member(dht, key, c.group)
-        members[2] = again  # shut down at the group's end
+        again = start_c()
         started = time.monotonic()
         late = again.runner.start(
             (MODULE, 0, 0), deltas[2], 1.0, [a.peer_id, b.peer_id, again.peer_id], "0" * 64
@@ -113,15 +110,12 @@ def test_a_restarted_holder_answered_after_our_report_gets_the_report_too_and_ke
         identity_paths={1: path},
     ) as members:
         a, r, d = members
-        r.service.shutdown()
-        r.dht.shutdown()
+        start_r = restart(dht_factory, members, 1, path)
         deltas = deltas_for(3, seed=92)
         assert send_delta(d, a, fp32_bytes(deltas[2]), NUMEL).ok
-        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, [m.peer_id for m in members], "0" * 64)
+        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, [a.peer_id, r.peer_id, d.peer_id], "0" * 64)
         time.sleep(1.0)  # A found R unreachable, reported {A, D} and waits for D's report
-        dht, key = dht_factory(identity_path=path)
-        again = make_member(dht, key, r.group)
-        members[1] = again  # shut down at the group's end
+        again = start_r()
         late = again.runner.start((MODULE, 0, 0), deltas[1], 1.0, [a.peer_id, again.peer_id], "0" * 64)
         ours, theirs = first.result(timeout=60), late.result(timeout=60)
     assert torch.equal(ours.delta, theirs.delta), (ours.outcome, ours.members, theirs.outcome, theirs.members)

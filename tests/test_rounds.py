@@ -15,7 +15,7 @@ from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate
 from peer.sync.inbox import BAN_AFTER_BAD_PARTS, BAN_SECONDS, Inbox
 from peer.sync.strays import StrayWatch
 from peer.sync.wire import Kind
-from tests.sync_members import MODULE, RUN_ID, fp32_bytes, make_member, run_round, send_delta, sync_group
+from tests.sync_members import MODULE, RUN_ID, fp32_bytes, restart, run_round, send_delta, sync_group
 
 pytestmark = pytest.mark.swarm
 
@@ -395,11 +395,7 @@ def test_a_peer_restarted_mid_round_never_signs_a_second_report_for_it_and_is_no
         assert c.runner.start(key, deltas[2], 1.0, c_ids, "0" * 64).result(timeout=60).outcome == "averaged"
         assert c.peer_id in a.service.call(_reports_of(a, key))
         # killed, and restarted from a checkpoint taken before the round
-        c.service.shutdown()
-        c.dht.shutdown()
-        dht, again_key = dht_factory(identity_path=str(tmp_path / "c.key"))
-        again = make_member(dht, again_key, c.group, sent=SentRounds(tmp_path, RUN_ID))
-        members[2] = again  # shut down at the group's end
+        again = restart(dht_factory, members, 2, str(tmp_path / "c.key"), SentRounds(tmp_path, RUN_ID))()
         assert again.peer_id == c.peer_id
         redo = again.runner.start(key, deltas[2] * 3, 1.0, c_ids, "0" * 64).result(timeout=60)
         results = [f.result(timeout=60) for f in futures]

@@ -274,10 +274,10 @@ class StreamingOuter:
             group = self.group_of(mid, round_index) if self.group_of else None
             members = group[1] if group is not None else holders.get(mid, [])
             others = [p for p in members if p != self.peer_id]
-            voters = inbox.standing.among(others) if others else []
-            if voters and 2 * len(sent & set(voters)) > len(voters):
+            voters = inbox.standing.among(others)
+            if voters and 2 * len(agreeing := sent & set(voters)) > len(voters):
                 logger.info(
-                    f"{mid}: {len(sent & set(voters))} of {len(voters)} other holders already sent their "
+                    f"{mid}: {len(agreeing)} of {len(voters)} other holders already sent their "
                     f"parts of fragment {fragment}'s round {ms.fragment_rounds[fragment]}: joining it "
                     f"{due - self.clock} steps early"
                 )

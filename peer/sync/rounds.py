@@ -213,13 +213,13 @@ class RoundRunner:
         bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
 
-        ours, answered = failed, set()  # this round's failures (the call after the gather gets {})
+        round_failed, answered = failed, set()  # the call after the gather passes `failed` = {}
 
         def answer(slot, failed=failed, took=took) -> bool:
             # a holder that sent us its part gets ours: one we did not count (it began later) and one
             # our part did not reach (a restarted peer, still starting when we sent); each waits for it
             for s in [s for s in slot.deliveries if s != self.me and s not in answered]:
-                if s not in others or ours.get(s, "").startswith("unreachable"):
+                if s not in others or round_failed.get(s, "").startswith("unreachable"):
                     answered.add(s)
                     if s in others:
                         failed.pop(s, None)  # recorded anew if it fails again
