@@ -263,7 +263,9 @@ class StreamingOuter:
         if self.runner is None:
             return
         due, fragment = next_due(self.clock, self.inner_steps, self.sync.fragments)
-        if due == self.clock:
+        # less than half a fragment's interval behind, the holders wait only those steps, and a cut
+        # would halve our Δ (peers resumed together are a step apart: they must not cut at all)
+        if 2 * (due - self.clock) <= self.inner_steps // self.sync.fragments:
             return
         inbox = self.runner.service.inbox
         round_index = self.round_of() if self.round_of else 0
