@@ -86,3 +86,32 @@ def test_a_copy_holding_values_no_state_may_have_is_left_out_of_a_pairs_merge(dh
     (theta, momentum), used = results[0]
     assert used == [members[0].peer_id]  # the honest member keeps its own copy, unmoved
     assert torch.equal(theta, copies[0][0]) and torch.equal(momentum, copies[0][1])
+
+
+def test_a_member_a_round_behind_still_downloads_the_copy_we_reported_before_our_latest_round(dht_factory):
+    # a healed partition's halves run a round apart: the half behind asks for the copy the half ahead
+    # reported in the round it already left; refusing it made the merge one-sided (the copies stayed split)
+    older, newer, theirs = _copies(3, seed=3)
+    digests = [state_digest(*c) for c in (older, newer, theirs)]
+    with sync_group(dht_factory, 2, 1) as members:
+        ahead, behind = members
+        kept = ReportedCopies(keep_seconds=60)
+        kept.remember(MODULE, 0, digests[0], older)
+        kept.remember(MODULE, 0, digests[1], newer)  # its next round
+        install_copy_handler(ahead.service, kept)
+        install_copy_handler(behind.service, ReportedCopies(keep_seconds=60))
+        reported = {ahead.peer_id: digests[0], behind.peer_id: digests[2]}
+        coro = merged_copy(behind.service, MODULE, 0, theirs, digests[2], reported, 10.0)
+        (theta, _), used = behind.service.submit(coro).result(timeout=60)
+    assert used == sorted(reported)
+    assert torch.allclose(theta, (older[0] + theirs[0]) / 2, atol=1e-6)
+
+
+def test_reported_copies_keep_only_the_latest_two_rounds_per_fragment():
+    copies = _copies(3, seed=4)
+    kept = ReportedCopies(keep_seconds=60)
+    for c in copies:
+        kept.remember(MODULE, 0, state_digest(*c), c)
+    assert kept.find(MODULE, 0, state_digest(*copies[0])) is None  # memory stays bounded
+    assert all(kept.find(MODULE, 0, state_digest(*c)) is c for c in copies[1:])
+    assert kept.find(MODULE, 1, state_digest(*copies[2])) is None

@@ -22,6 +22,7 @@ from peer.scheduler import Assignment, GridState, online_decision
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.planning import build_snapshot, grid_state, online_move, path_parameters
 from peer.training.replan import OnlineReplanner
+from peer.training.rotate import MAX_DEFERRED_ROUNDS, RotationPolicy
 
 # two regions, interleaved in id order so that sorting ids does not group them by chance
 REGION = {"pa": 0, "pb": 1, "pc": 0, "pd": 1}
@@ -272,3 +273,36 @@ def test_the_plans_second_mover_follows_the_first_without_waiting_for_the_views_
         moves, planner = moves_made(member, second, views, settle_seconds=1.0)
         assert moves == [3.1], (moves, planner.last and planner.last.reason)
         assert planner.last.target == plan.path_of_peer[second]
+
+
+@pytest.mark.swarm  # a real DHT node (a child process) under the peer's membership
+@pytest.mark.timeout(60)
+def test_a_mover_leaves_a_module_only_after_the_peer_that_just_joined_it_averaged_with_it(tmp_path):
+    """A plan that swaps two peers moves one onto the module the other leaves. If the leaver goes
+    first, the module's one remaining holder has nobody to confirm its state to the joiner, which goes
+    on with a copy of its own: the live re-plan test then ran 5 s rounds (each pair waiting for the
+    other's late part) and did not finish. The leaver waits until the joiner took part in its latest
+    round of that module, and no longer than MAX_DEFERRED_ROUNDS (a claim must not pin it)."""
+    m = manifest()
+    plan = decide(m, probes(SLOW), claims(MIXED), "pa").plan
+    first, second = (p for p in sorted(MIXED) if plan.path_of_peer[p] != MIXED[p])
+    after_first = MIXED | {first: plan.path_of_peer[first]}
+    left = f"l0m{MIXED[second]}"
+    assert plan.path_of_peer[first] == MIXED[second]  # the first mover joined the module we leave
+    with live_member(tmp_path, m) as member:
+        show(member, second, after_first, SLOW)
+        stayed = [p for p in MIXED if p not in (first, second) and MIXED[p] == MIXED[second]]
+        before_joiner = frozenset([member.peer_id, *stayed])  # our latest round of it, without the joiner
+
+        def policy() -> RotationPolicy:
+            return RotationPolicy(
+                member, None, fixed_path=False, replanner=OnlineReplanner(member, settle_seconds=0)
+            )
+
+        waiting = policy()
+        decisions = [waiting.decide(r, 0, {left: before_joiner}) for r in range(MAX_DEFERRED_ROUNDS + 1)]
+        assert decisions[:-1] == [None] * MAX_DEFERRED_ROUNDS, decisions
+        assert decisions[-1] is not None and decisions[-1].target == plan.path_of_peer[second]
+        # once the joiner averaged with us we move at the plan's first word
+        moved = policy().decide(0, 0, {left: before_joiner | {first}})
+        assert moved is not None and moved.target == plan.path_of_peer[second]

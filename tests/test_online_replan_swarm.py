@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from datetime import datetime
 
@@ -75,7 +76,13 @@ def test_peers_whose_group_link_slows_down_mid_run_are_moved_by_the_online_plann
         write_probes(region)
         changed_at = time.time()
         for i in range(4):
-            assert swarm.wait(f"p{i}", timeout=120) == 0, log(i)[-3000:]
+            try:
+                code = swarm.wait(f"p{i}", timeout=120)
+            except subprocess.TimeoutExpired:
+                code = None  # a stall: every peer's log tail says where
+            assert code == 0, f"p{i} exited {code}\n" + "\n".join(
+                f"--- p{j}\n{log(j)[-2500:]}" for j in range(4)
+            )
         logs = [log(i) for i in range(4)]
 
     final = {ids[i]: int(TRAINING.findall(logs[i])[-1]) for i in range(4)}

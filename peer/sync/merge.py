@@ -11,7 +11,9 @@ before the round's aggregate is applied. Members that saw the same reports and g
 end with the same bits; any that did not are caught again by the next round's digests.
 
 Each member keeps the copy it reported until a while after the round (`ReportedCopies`), since
-others download it after the round ended for them.
+others download it after the round ended for them — and the one before it: a member whose rounds run
+a round behind ours (a half of a healed partition, a peer that just joined) asks for our copy of a
+round we already left, and without it the merge is one-sided (we take its copy, it keeps its own).
 """
 
 from __future__ import annotations
@@ -37,34 +39,40 @@ logger = logging.getLogger(__name__)
 Copy = tuple[torch.Tensor, torch.Tensor]  # a fragment's θ̄ and outer momentum
 #: a copy with a value beyond this is no model's state (the bound `ModuleSync.load_state` applies)
 MAX_STATE_ABS = 1e6
+#: reported copies kept per (module, fragment): our latest round's and the one before it
+KEPT_ROUNDS = 2
 
 
 class ReportedCopies:
-    """The copy of each (module, fragment) this peer reported in its latest round, for a while."""
+    """The copies of each (module, fragment) this peer reported in its last `KEPT_ROUNDS` rounds, for
+    a while."""
 
     def __init__(self, keep_seconds: float):
         self.keep_seconds = keep_seconds
         self._lock = threading.Lock()
-        self._copies: dict[tuple[str, int], tuple[str, Copy, float]] = {}
+        self._copies: dict[tuple[str, int], list[tuple[str, Copy, float]]] = {}
 
     def remember(self, module: str, fragment: int, digest: str, copy: Copy) -> None:
         # references, not clones: a round replaces θ̄ and momentum with new tensors, never writes them
         with self._lock:
-            self._copies[(module, fragment)] = (digest, copy, time.monotonic())
+            kept = [c for c in self._copies.get((module, fragment), []) if c[0] != digest]
+            self._copies[(module, fragment)] = [*kept, (digest, copy, time.monotonic())][-KEPT_ROUNDS:]
 
     def find(self, module: str, fragment: int, digest: str) -> Copy | None:
         with self._lock:
-            got = self._copies.get((module, fragment))
-        if got is None or got[0] != digest or time.monotonic() - got[2] > self.keep_seconds:
-            return None
-        return got[1]
+            kept = list(self._copies.get((module, fragment), []))
+        now = time.monotonic()
+        return next((c for d, c, t in kept if d == digest and now - t <= self.keep_seconds), None)
 
     def forget_old(self) -> None:
         """Drops copies past their time (they would hold a module's worth of memory otherwise)."""
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, (_, _, t) in self._copies.items() if now - t > self.keep_seconds]:
-                del self._copies[key]
+            for key, kept in list(self._copies.items()):
+                if not (fresh := [c for c in kept if now - c[2] <= self.keep_seconds]):
+                    del self._copies[key]
+                else:
+                    self._copies[key] = fresh
 
 
 def install_copy_handler(

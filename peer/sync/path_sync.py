@@ -103,6 +103,8 @@ class PathSync:
         self.service: SyncService | None = None
         self._refused_seen: Counter[str] = Counter()
         self._strays = StrayWatch()
+        #: module -> the members of our latest round of it (a rotation waits for a module's joiners)
+        self.last_members: dict[str, frozenset[str]] = {}
 
     @property
     def outer_round(self) -> int:
@@ -235,6 +237,7 @@ class PathSync:
 
     def _applied(self, ms: ModuleSync, fragment: int, result: RoundResult) -> None:
         self._track(ms)
+        self.last_members[ms.module_id] = frozenset(result.members)
         if self.service is not None:
             refused = self.service.refused - self._refused_seen
             self._refused_seen = Counter(self.service.refused)

@@ -324,10 +324,10 @@ class Peer:
         self.membership.announce()
         self._follow_router()
         # every peer computes the swarm's rotation alike; one that is leaving does not move
-        if self._finishing():
-            self._rotation = None
-        else:
-            self._rotation = self.rotation_policy.decide(self.outer_round, self.sync.in_flight)
+        decide, sync = self.rotation_policy.decide, self.sync
+        self._rotation = (
+            None if self._finishing() else decide(self.outer_round, sync.in_flight, sync.last_members)
+        )
 
     def _finishing(self) -> bool:
         cfg = self.config

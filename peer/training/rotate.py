@@ -9,30 +9,44 @@ from __future__ import annotations
 
 import logging
 
+from peer.model.grid import path_from_index, path_module_ids
 from peer.swarm.membership import Membership
 from peer.swarm.rotation import Rotation
 from peer.training.replan import OnlineReplanner
 
 logger = logging.getLogger(__name__)
 
+#: rounds a move waits at most for the peers that just joined a module we would leave to average
+#: with us (claims of keys that never take part must not pin a peer to its path)
+MAX_DEFERRED_ROUNDS = 3
+
 
 class RotationPolicy:
     """Decides at a round's end whether this peer moves, and whether a move is off after all."""
 
-    def __init__(self, membership: Membership, metrics, fixed_path: bool):
+    def __init__(
+        self, membership: Membership, metrics, fixed_path: bool, replanner: OnlineReplanner | None = None
+    ):
         """`fixed_path`: the volunteer chose the path (--path); the peer never moves off it.
-        `metrics`: where the online planner's decisions are exported (PeerMetrics, or None)."""
+        `metrics`: where the online planner's decisions are exported (PeerMetrics, or None).
+        `replanner`: the online planner (None: one on `membership` at the peer's heartbeat)."""
         self.membership = membership
         self.peer_id = membership.peer_id
-        self.replanner = OnlineReplanner(membership, metrics)
+        self.replanner = replanner if replanner is not None else OnlineReplanner(membership, metrics)
         self.fixed_path = fixed_path
         #: "no keeper took our modules" said once at WARNING: in a run without a keeper it holds every time
         self._warned_unkept = False
+        #: rounds the current move has waited for a module's new holders (`_unmet`)
+        self._deferred = 0
 
-    def decide(self, outer_round: int, in_flight: int) -> Rotation | None:
+    def decide(
+        self, outer_round: int, in_flight: int, last_members: dict[str, frozenset[str]] | None = None
+    ) -> Rotation | None:
         """Our move, if the swarm's rotation at the end of this round moves us (see
-        peer/swarm/rotation.py; every peer computes it, only the mover acts) and none of our syncs
-        (`in_flight`) is still running: a move rebuilds the sync layer they would land in."""
+        peer/swarm/rotation.py; every peer computes it, only the mover acts), none of our syncs
+        (`in_flight`) is still running (a move rebuilds the sync layer they would land in), and every
+        peer that joined a module we would leave took part in our latest round of it (`last_members`:
+        module -> the members of our latest round of it), or we waited `MAX_DEFERRED_ROUNDS` for it."""
         try:
             rotation = self.replanner.decide(outer_round) if self.replanner.enabled else None
             if rotation is None:
@@ -50,7 +64,37 @@ class RotationPolicy:
             logger.info("syncs still in flight at the round's end: not rotating this time")
             self.replanner.retry()  # the plan's move is still due: decide again at the next round's end
             return None
+        unmet = self._unmet(rotation, last_members or {})
+        if unmet and self._deferred < MAX_DEFERRED_ROUNDS:
+            self._deferred += 1
+            logger.info(
+                f"not rotating yet ({self._deferred} of {MAX_DEFERRED_ROUNDS} rounds): {', '.join(unmet)} "
+                "just joined a module we would leave and has not averaged with us"
+            )
+            self.replanner.retry()
+            return None
+        self._deferred = 0
         return rotation
+
+    def _unmet(self, rotation: Rotation, last_members: dict[str, frozenset[str]]) -> list[str]:
+        """Claimants of a module we would leave that were not in our latest round of it. A peer that
+        moves onto a module as we move off it (a plan that swaps two peers) takes its state from the
+        holders and needs one holder besides the donor to confirm it: if we leave first, a module of
+        two holders has nobody to confirm, and the joiner goes on with a copy of its own (copies
+        split, rounds wait for each other: the live re-plan test's stall) or starts the module anew
+        (scheduler_live, session 27). Once it averaged with us it holds the group's copy."""
+        m = self.membership
+        cfg = m.manifest.model
+        keep = set(path_module_ids(cfg, path_from_index(cfg, rotation.target)))
+        leaving = set(path_module_ids(cfg, path_from_index(cfg, rotation.source))) - keep
+        unmet = {
+            p
+            for p, c in m.claims.items()
+            if p != self.peer_id and not c.client_mode and not c.leaving
+            for mid in leaving.intersection(c.modules)
+            if p not in last_members.get(mid, frozenset({p}))
+        }
+        return sorted(unmet)
 
     def blocked(self, unkept: list[str]) -> bool:
         """Whether modules we are the last holder of and no keeper took (`unkept`) keep us here:
