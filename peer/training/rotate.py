@@ -38,6 +38,9 @@ class RotationPolicy:
         self._warned_unkept = False
         #: rounds the current move has waited for a module's new holders (`_unmet`)
         self._deferred = 0
+        #: module -> claimant -> the round at whose end we first saw it claim the module (None: our
+        #: first look, which sees established holders, not joiners); only claimants in the current view
+        self._first_seen: dict[str, dict[str, int | None]] = {}
 
     def decide(
         self, outer_round: int, in_flight: int, last_members: dict[str, frozenset[str]] | None = None
@@ -47,6 +50,7 @@ class RotationPolicy:
         (`in_flight`) is still running (a move rebuilds the sync layer they would land in), and every
         peer that joined a module we would leave took part in our latest round of it (`last_members`:
         module -> the members of our latest round of it), or we waited `MAX_DEFERRED_ROUNDS` for it."""
+        self._look(outer_round)
         try:
             rotation = self.replanner.decide(outer_round) if self.replanner.enabled else None
             if rotation is None:
@@ -64,7 +68,7 @@ class RotationPolicy:
             logger.info("syncs still in flight at the round's end: not rotating this time")
             self.replanner.retry()  # the plan's move is still due: decide again at the next round's end
             return None
-        unmet = self._unmet(rotation, last_members or {})
+        unmet = self._unmet(rotation, last_members or {}, outer_round)
         if unmet and self._deferred < MAX_DEFERRED_ROUNDS:
             self._deferred += 1
             logger.info(
@@ -76,23 +80,38 @@ class RotationPolicy:
         self._deferred = 0
         return rotation
 
-    def _unmet(self, rotation: Rotation, last_members: dict[str, frozenset[str]]) -> list[str]:
-        """Claimants of a module we would leave that were not in our latest round of it. A peer that
-        moves onto a module as we move off it (a plan that swaps two peers) takes its state from the
-        holders and needs one holder besides the donor to confirm it: if we leave first, a module of
-        two holders has nobody to confirm, and the joiner goes on with a copy of its own (copies
-        split, rounds wait for each other: the live re-plan test's stall) or starts the module anew
-        (scheduler_live, session 27). Once it averaged with us it holds the group's copy."""
-        m = self.membership
-        cfg = m.manifest.model
+    def _look(self, outer_round: int) -> None:
+        """Notes when each claimant of a module was first seen claiming it (`_first_seen`)."""
+        first = not self._first_seen
+        seen: dict[str, dict[str, int | None]] = {}
+        for p, c in self.membership.claims.items():
+            if p == self.peer_id or c.client_mode or c.leaving:
+                continue
+            for mid in c.modules:
+                before = self._first_seen.get(mid, {})
+                seen.setdefault(mid, {})[p] = None if first else before.get(p, outer_round)
+        self._first_seen = seen
+
+    def _unmet(
+        self, rotation: Rotation, last_members: dict[str, frozenset[str]], outer_round: int
+    ) -> list[str]:
+        """Peers that began to claim a module we would leave in the last `MAX_DEFERRED_ROUNDS` rounds
+        and were not in our latest round of it. A peer that moves onto a module as we move off it (a
+        plan that swaps two peers) takes its state from the holders and needs one holder besides the
+        donor to confirm it: if we leave first, a module of two holders has nobody to confirm, and the
+        joiner goes on with a copy of its own (copies split, rounds wait for each other: the live
+        re-plan test's stall) or starts the module anew (scheduler_live, session 27). Once it averaged
+        with us it holds the group's copy. Holders we never average with directly (another subgroup
+        of a module with many holders) are not joiners: they claimed it before."""
+        cfg = self.membership.manifest.model
         keep = set(path_module_ids(cfg, path_from_index(cfg, rotation.target)))
         leaving = set(path_module_ids(cfg, path_from_index(cfg, rotation.source))) - keep
         unmet = {
             p
-            for p, c in m.claims.items()
-            if p != self.peer_id and not c.client_mode and not c.leaving
-            for mid in leaving.intersection(c.modules)
-            if p not in last_members.get(mid, frozenset({p}))
+            for mid in leaving
+            for p, since in self._first_seen.get(mid, {}).items()
+            if since is not None and outer_round - since <= MAX_DEFERRED_ROUNDS
+            if p not in last_members.get(mid, frozenset())
         }
         return sorted(unmet)
 
