@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from peer.model.grid import path_from_index, path_module_ids
+from peer.swarm.claims import holders_by_module
 from peer.swarm.membership import Membership
 from peer.swarm.rotation import Rotation
 from peer.training.replan import OnlineReplanner
@@ -82,15 +83,17 @@ class RotationPolicy:
 
     def _look(self, outer_round: int) -> None:
         """Notes when each claimant of a module was first seen claiming it (`_first_seen`)."""
-        first = not self._first_seen
-        seen: dict[str, dict[str, int | None]] = {}
-        for p, c in self.membership.claims.items():
-            if p == self.peer_id or c.client_mode or c.leaving:
-                continue
-            for mid in c.modules:
-                before = self._first_seen.get(mid, {})
-                seen.setdefault(mid, {})[p] = None if first else before.get(p, outer_round)
-        self._first_seen = seen
+        claims = {
+            p: c
+            for p, c in self.membership.claims.items()
+            if p != self.peer_id and not c.client_mode and not c.leaving
+        }
+        first, before = not self._first_seen, self._first_seen
+        # not only ready holders: a joiner still downloading is the one that needs us
+        self._first_seen = {
+            mid: {p: None if first else before.get(mid, {}).get(p, outer_round) for p in peers}
+            for mid, peers in holders_by_module(claims, ready_only=False).items()
+        }
 
     def _unmet(
         self, rotation: Rotation, last_members: dict[str, frozenset[str]], outer_round: int
