@@ -13,12 +13,14 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
+from dht.identity import peer_id_of_key
 from dht.schema import ClaimRecord, ProbeRecord
 from peer.config import PeerConfig, RunManifest
 from peer.config.manifest import SchedulerConfig, SyncConfig
 from peer.model.grid import ModelConfig, all_paths
 from peer.run.record import sign_manifest
 from peer.scheduler import Assignment, GridState, online_decision
+from peer.swarm.claims import publish_claim
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.planning import build_snapshot, grid_state, online_move, path_parameters
 from peer.training.replan import OnlineReplanner
@@ -315,3 +317,25 @@ def test_a_mover_leaves_a_module_only_after_the_peer_that_just_joined_it_average
         # a holder that claimed the module when we first looked is no joiner, met or not
         established = policy(None).decide(0, 0, {left: before_joiner})
         assert established is not None and established.target == plan.path_of_peer[second]
+
+
+@pytest.mark.swarm  # a real DHT node (a child process) under the peer's membership
+@pytest.mark.timeout(60)
+def test_a_module_whose_holders_are_all_moving_is_downloaded_from_them_not_started_afresh(tmp_path):
+    """Two peers that rotate onto one path at once (their views a heartbeat apart): the one that held
+    the module has claimed the new path but is not ready yet when the other reads its donors. With
+    ready holders only, the module had no donor and started again from its initial weights
+    (goodput rotation arm, session 29: loss 9.9, a 35 s round). A moving holder is a donor, with the
+    rounds it claims (`catch_up` takes only donors past our own round)."""
+    m = manifest()
+    with live_member(tmp_path, m) as member:
+        mover, fresh = RSAPrivateKey(), RSAPrivateKey()
+        run_name, run_id = member.run_name, member.run_id
+        moving = ClaimRecord(peer_id=peer_id_of_key(mover), path=1, modules=["trunk", "l0m1"], ready=False,
+                             module_rounds={"trunk": [12], "l0m1": [9]})  # fmt: skip
+        behind = ClaimRecord(peer_id=peer_id_of_key(fresh), path=1, modules=["trunk", "l0m1"], ready=False)
+        for key, claim in ((mover, moving), (fresh, behind)):
+            assert publish_claim(member.dht, key, run_name, run_id, claim)
+        donors = member.donors()
+        assert (moving.peer_id, 9) in donors["l0m1"] and (moving.peer_id, 12) in donors["trunk"]
+        assert (behind.peer_id, 0) in donors["l0m1"]  # listed, never taken: not past any round

@@ -18,9 +18,13 @@ from dht.identity import load_identity
 from dht.node import start_dht
 from dht.schema import RouterRecord
 from dht.validators import RecordSchemaValidator
+from monitoring.metrics import PeerMetrics
+from peer import faults
 from peer.checkpoint import load_latest_checkpoint
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm
+from peer.config import PeerConfig
 from peer.errors import ConfigError
+from peer.faults import ENV_VAR
 from peer.run.record import load_verified_manifest
 from peer.run.router_versions import (
     RouterVersion,
@@ -30,6 +34,7 @@ from peer.run.router_versions import (
     sign_router_version,
     verify_router_record,
 )
+from peer.training.router_switch import RouterFollower
 from tests.swarm_harness import wait_for
 
 pytestmark = pytest.mark.swarm
@@ -203,3 +208,26 @@ def test_a_live_run_is_rerouted_by_its_creator_and_the_peers_switch_at_a_round_b
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "routing with router version 2" in proc.stdout
     assert json.loads((tmp_path / "eval.json").read_text())["composite"]["ppl"] > 1
+
+
+@pytest.mark.timeout(60)
+def test_a_round_end_never_waits_for_the_dht_read_of_the_router_versions(tmp_path, monkeypatch):
+    manifest_path, _ = _create(tmp_path / "run")
+    manifest, record = load_verified_manifest(manifest_path)
+    monkeypatch.setenv(ENV_VAR, "router.read=stall:5")  # a DHT that takes 5 s to answer
+    faults.reset_faults()
+    dht, key = start_dht(run_name="rr", run_id=record.run_id)
+    try:
+        config = PeerConfig.model_construct(run="rr", checkpoint_dir=tmp_path / "ckpt")
+        metrics = PeerMetrics("rr", "me", "0", "test")
+        follower = RouterFollower(dht, key, config, manifest, record, None, None, metrics)
+        assert follower.due(1, 0) is None
+        reading = follower._reading
+        assert reading is not None and not reading.done()  # the round's end came back mid-read
+        assert follower.due(2, 0) is None and follower._reading is reading  # one read at a time
+        assert reading.result(timeout=30) is None  # no version published: the read found none
+        follower.due(3, 0)
+        assert follower._reading is not reading  # the next boundary starts the next read
+    finally:
+        faults.reset_faults()
+        dht.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from peer.model.grid import ModelConfig
 from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
 from peer.run.admission import AdmissionCheck, sign_admission
 from peer.swarm.claims import steering_claims
-from peer.swarm.rotation import claimed_path_steps, plan_rotation, swarm_path_steps
+from peer.swarm.rotation import claimed_path_steps, plan_rotation, round_view, swarm_path_steps
 from peer.sync.standing import Standing
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
@@ -170,3 +171,35 @@ def test_step_counts_without_admission_do_not_steer_rotation_once_anyone_is_admi
     assert "a" in steering_claims(claims, standing, me="a") and "a" not in steering_claims(claims, standing)
     # a run where nobody is admitted yet: every claim steers (the same set in every peer's view)
     assert steering_claims({p: claim(p, 0, {}) for p in ("x", "y")}, standing).keys() == {"x", "y"}
+
+
+def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announced_the_round():
+    """Peers plan alike only from the same counts: a peer whose round ended first read the others'
+    claims of the round before and moved where they did not (goodput rotation arm, session 29)."""
+
+    def claim(peer: str, outer_round: int, steps: int, ready: bool = True) -> ClaimRecord:
+        return ClaimRecord(peer_id=peer, path=0, modules=["trunk"], outer_round=outer_round,
+                           path_steps={"0": steps}, ready=ready)  # fmt: skip
+
+    views = iter(
+        [
+            {"a": claim("a", 4, 200), "b": claim("b", 3, 150), "c": claim("c", 1, 0, ready=False)},
+            {"a": claim("a", 4, 200), "b": claim("b", 4, 200), "c": claim("c", 1, 0, ready=False)},
+        ]
+    )
+    reads = []
+
+    def read():
+        reads.append(next(views))
+        return reads[-1]
+
+    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event())
+    assert len(reads) == 2 and claims["b"].outer_round == 4 and counted == claims  # a mover is not waited for
+    # a claim that never announces the round holds the plan back `wait_seconds`, no longer
+    lagging = {"a": claim("a", 4, 200), "b": claim("b", 3, 150)}
+    claims, _ = round_view(lambda: lagging, dict, 4, wait_seconds=0.2, stop=threading.Event())
+    assert claims is lagging
+    # nor past a stop request (SIGTERM)
+    stopped = threading.Event()
+    stopped.set()
+    assert round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped)[0] is lagging

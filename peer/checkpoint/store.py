@@ -89,8 +89,9 @@ def save_checkpoint(
     """Write ``tensors`` and ``meta`` as checkpoint ``meta["step"]``, prune to ``keep``; return its folder.
 
     ``meta`` must be JSON-serialisable (it comes back as JSON would: tuples as lists). Tensors may live on
-    any device and may share storage (tied weights); each is saved as its own contiguous CPU copy.
-    Saving a step that already exists replaces it.
+    any device and may share storage (tied weights); each is saved as its own contiguous CPU copy, made
+    here unless ``tensors`` is already a `TensorSnapshot` (`snapshot_tensors`: a writer thread saves
+    what the training thread copied). Saving a step that already exists replaces it.
     """
     directory = Path(directory)
     step = meta.get("step")
@@ -102,7 +103,7 @@ def save_checkpoint(
         meta_json = json.loads(json.dumps(meta))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
-    cpu_tensors = _detached_cpu_copies(tensors)
+    cpu_tensors = tensors if isinstance(tensors, TensorSnapshot) else snapshot_tensors(tensors)
 
     directory.mkdir(parents=True, exist_ok=True)
     need = sum(t.numel() * t.element_size() for t in cpu_tensors.values()) + SPACE_MARGIN_BYTES
@@ -199,8 +200,14 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
     return None
 
 
-def _detached_cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+class TensorSnapshot(dict):
+    """Private contiguous CPU copies of a checkpoint's tensors (`snapshot_tensors`), checked: nothing
+    else holds them, so they can be written later, on another thread, while training goes on."""
+
+
+def snapshot_tensors(tensors: Mapping[str, torch.Tensor]) -> TensorSnapshot:
+    """Checks every tensor a checkpoint may hold and copies it to the CPU (raises CheckpointError)."""
+    out = TensorSnapshot()
     for name, tensor in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise CheckpointError(f"invalid tensor name {name!r}")

@@ -50,7 +50,7 @@ from peer.swarm.probes import (
     publish_probe,
     sample_peers,
 )
-from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation
+from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation, round_view
 from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
@@ -145,13 +145,12 @@ class Membership:
         return holders_by_module(self.claims)
 
     def donors(self) -> dict[str, list[tuple[str, int]]]:
-        """(peer id, the module's total fragment rounds) of the other ready holders of each module."""
+        """(peer id, total fragment rounds) of the other holders of each module, movers included: one
+        keeping the module as it moves holds its state (two peers moving onto a path at once reset it)."""
         self.read_claims()
         others = {k: v for k, v in self.claims.items() if k != self.peer_id and not v.client_mode}
-        return {
-            mid: [(p, sum(others[p].module_rounds.get(mid, [0]))) for p in peers]
-            for mid, peers in holders_by_module(others, ready_only=True).items()
-        }
+        held = holders_by_module(others, ready_only=False)
+        return {m: [(p, sum(others[p].module_rounds.get(m, [0]))) for p in ps] for m, ps in held.items()}
 
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """(keeper peer id, total fragment rounds) of every module a keeper holds."""
@@ -310,21 +309,21 @@ class Membership:
         return current if target is None else target
 
     def rotation(self, round_index: int) -> Rotation | None:
-        """The swarm's rotation at the end of `round_index`, from a fresh claim view with our own
-        claim as it is now. Views a heartbeat apart differ by about a round's steps per path: that
-        much is tolerated in the choice of candidates, so that peers agree on who moves. This runs in
-        the training loop, where a DHT read can wait out RPC timeouts (a partition: a peer stalled so
-        fell out of step with its group): the read happens only when the last heartbeat's view says
-        a rotation is possible at all (a rotation round, and a path nobody holds)."""
+        """The swarm's rotation at the end of `round_index`, from a claim view of that round
+        (`round_view`) with our own claim as it is now. In the training loop, where a DHT read can wait
+        out RPC timeouts (a partition), it reads only when the last heartbeat's view says a rotation is
+        possible at all (a rotation round, and a path nobody holds)."""
         every, cfg = self.config.rotate_every_rounds, self.manifest.model
         if not every or round_index % every or cfg.n_paths < 2:
             return None
         covered = {c.path for c in self.claims.values() if not c.client_mode} | {path_index(cfg, self.path)}
         if len(covered) >= cfg.n_paths:
             return None
-        claims = dict(self.read_claims())
-        claims[self.peer_id] = self.claim_record()
-        steering, h = steering_claims(claims, self.standing, self.peer_id), self.manifest.sync.inner_steps
+        own, standing, wait = self.claim_record(), self.standing, self.config.heartbeat_seconds
+        claims, steering = round_view(lambda: dict(self.read_claims()) | {self.peer_id: own},
+                                      lambda c: steering_claims(c, standing, self.peer_id), round_index, wait,
+                                      self._stop)  # fmt: skip
+        h = self.manifest.sync.inner_steps
         return plan_rotation(cfg, claims, round_index, every, h, steps_per_round=h, counted=set(steering))
 
     def move_to(self, path: Path) -> None:

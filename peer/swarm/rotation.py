@@ -20,13 +20,39 @@ uncovered path can still hold rotation back while they keep claiming.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
 from peer.model.grid import ModelConfig
 from peer.seeding import stable_seed
+
+Claims = dict[str, ClaimRecord]
+
+
+def round_view(
+    read: Callable[[], Claims],
+    steering: Callable[[Claims], Claims],
+    round_index: int,
+    wait_seconds: float,
+    stop: threading.Event,
+) -> tuple[Claims, Claims]:
+    """The claim view to plan the rotation of `round_index` on (all claims, the steering ones): read
+    again until every ready steering peer announced that round (its claim's outer round), for at
+    most `wait_seconds`. Every peer must plan from the same counts; a peer whose round ended first
+    and read at once planned on the others' counts of the round before and moved where they did not
+    (two peers onto one path, a module left by both: the goodput rotation arm, session 29). A claim
+    that never catches up (a laggard, a liar with standing) holds the plan back that long, no more."""
+    until = time.monotonic() + wait_seconds
+    while True:
+        claims = read()
+        counted = steering(claims)
+        behind = any(c.ready and c.outer_round < round_index for c in counted.values())
+        if not behind or time.monotonic() > until or stop.wait(0.05):
+            return claims, counted
 
 
 @dataclass(frozen=True)

@@ -3,21 +3,29 @@
 A checkpoint holds the sync layer's state (global copies, outer momentum), the path model's own
 weights (`local/<name>`) and a meta dict: the counters, the path and the paths trained before a
 rotation, every fragment's round, the round history, and the router version trained with. The store
-(peer/checkpoint/) writes it crash-safe and prunes to --keep_checkpoints; the directory lock keeps a
+(peer/checkpoint/) writes it crash-safe and prunes to --keep_checkpoints, on a writer thread of its own
+(`CheckpointWriter`: training copies the tensors and goes on); the directory lock keeps a
 second peer out of the directory for the whole life of this one, and a directory that holds
 checkpoints is taken only with --resume (a fresh start there would prune them).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from peer.checkpoint import CheckpointDirLock, list_checkpoints, load_latest_checkpoint, save_checkpoint
+from peer.checkpoint import (
+    CheckpointDirLock,
+    CheckpointError,
+    CheckpointWriter,
+    list_checkpoints,
+    load_latest_checkpoint,
+    snapshot_tensors,
+)
 from peer.config import PeerConfig
 from peer.errors import ConfigError
 from peer.model.transformer import PathModel
@@ -29,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 #: round-history entries a checkpoint keeps (the meta stays small; `own_rounds` keeps the count)
 HISTORY_KEPT = 200
+#: how long leaving waits for the checkpoints still being written (a hung disk must not pin the peer)
+FLUSH_TIMEOUT_SECONDS = 120.0
 
 
 @dataclass
@@ -47,8 +57,13 @@ class PeerCheckpoints:
 
     def __init__(self, config: PeerConfig):
         self.config = config
-        #: the step of the last checkpoint written (-1: none): rotation and close skip a repeat
+        #: the step of the last checkpoint taken (-1: none): rotation and close skip a repeat
         self.saved_step = -1
+        self._writer = (
+            CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints)
+            if config.checkpoint_dir is not None
+            else None
+        )
         self._lock: CheckpointDirLock | None = None
         self._sent: SentRounds | None = None
 
@@ -83,8 +98,15 @@ class PeerCheckpoints:
         )
 
     def release(self) -> None:
+        """Writes what is queued, then gives the directory back."""
+        if self._writer is not None and not self._writer.close(FLUSH_TIMEOUT_SECONDS):
+            logger.error(f"a checkpoint was still being written after {FLUSH_TIMEOUT_SECONDS:.0f} s; leaving")
         if self._lock is not None:
             self._lock.release()
+
+    def errors(self) -> list[str]:
+        """The background writes that failed since the last call (each names its step and reason)."""
+        return self._writer.errors() if self._writer is not None else []
 
     def sent_rounds(self, run_id: str) -> SentRounds:
         """The rounds this peer sent parts for, in this directory (read once per life, at first use)."""
@@ -115,14 +137,18 @@ class PeerCheckpoints:
         path: tuple[int, ...],
         loss: float,
         extra_meta: dict,
-    ) -> Path | None:
-        """Writes a checkpoint of the peer training `path` (None without --checkpoint_dir);
-        `extra_meta`: the router version it trains with (`RouterFollower.meta`), its contribution."""
-        if self.config.checkpoint_dir is None:
-            return None
+        wait: bool = False,
+    ) -> None:
+        """Takes a checkpoint of the peer training `path` (nothing without --checkpoint_dir) and has it
+        written in the background, or before returning with `wait` (raising CheckpointError if that
+        write, or one queued before it, failed); `extra_meta`: the router version it trains with
+        (`RouterFollower.meta`), its contribution."""
+        if self._writer is None:
+            return
         tensors = sync.state_tensors()
         for name, p in model.named_parameters():
             tensors[f"local/{name}"] = p.detach()
+        snapshot = snapshot_tensors(tensors)  # on this thread: training changes the originals next
         meta = dict(
             step=counters.step,
             run_id=run_id,
@@ -139,11 +165,18 @@ class PeerCheckpoints:
             train_seconds=history.train_seconds,
             **extra_meta,
         )
-        path = save_checkpoint(
-            Path(self.config.checkpoint_dir), tensors, meta, keep=self.config.keep_checkpoints
-        )
+        try:  # a copy the writer owns: nothing this thread changes later can reach it
+            meta = json.loads(json.dumps(meta))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
+        self._writer.submit(snapshot, meta)
         self.saved_step = counters.step
-        return path
+        if wait:
+            if not self._writer.flush(FLUSH_TIMEOUT_SECONDS):
+                late = f"{FLUSH_TIMEOUT_SECONDS:.0f} s"
+                raise CheckpointError(f"checkpoint step {counters.step} not written after {late}")
+            if errors := self._writer.errors():
+                raise CheckpointError("; ".join(errors))
 
     def restore(
         self,

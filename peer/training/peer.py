@@ -16,7 +16,6 @@ its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what others m
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -33,15 +32,12 @@ from peer import __version__
 from peer.artifacts.transfer import ArtifactService
 from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig, RunManifest
-from peer.data.batches import PathBatches
-from peer.data.sources import load_documents
 from peer.faults import fault_point
 from peer.model.base import ModuleStates, base_modules
 from peer.model.grid import parse_path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.admission import run_validator
 from peer.run.rebuild import check_tokenizer
-from peer.seeding import stable_seed
 from peer.swarm.admission import obtain_admission
 from peer.swarm.authority import AdmissionAuthority, serve_if_creator
 from peer.swarm.membership import Membership, Progress
@@ -55,6 +51,7 @@ from peer.training.contribution import ContributionLedger
 from peer.training.history import RoundHistory, Throughput
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 from peer.training.joining import join_run, obtain_artifacts, start_node
+from peer.training.path_data import PathData
 from peer.training.rotate import RotationPolicy
 from peer.training.router_switch import RouterFollower
 from peer.training.startup_checks import check_data, check_memory
@@ -83,6 +80,7 @@ class Peer:
         self.artifacts: ArtifactService | None = None
         self.base: ModuleStates | None = None
         self.tokenizer = None
+        self.data: PathData | None = None
         self.membership: Membership | None = None
         self.metrics: PeerMetrics | None = None
         self.router: RouterFollower | None = None
@@ -131,6 +129,7 @@ class Peer:
         found = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id, self.serve_limits)
         self.artifacts, self.base = found
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
+        self.data = PathData(self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id)
         admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device, admission
@@ -216,26 +215,12 @@ class Peer:
         self._start_data()
 
     def _start_data(self) -> None:
-        m = self.manifest
-        documents = load_documents(m.dataset, root=self._data_root, shard_folders=self._artifact_folders())
-        index = path_index(m.model, self.path)
+        index = path_index(self.manifest.model, self.path)
         try:
             route = self.router.route(self.outer_round, index)
         finally:
             self._adopt_artifacts()
-        batches = PathBatches(
-            documents,
-            route,
-            index,
-            self.tokenizer,
-            m.seq_len,
-            self.config.batch_size,
-            seed=stable_seed(self.peer_id, self.step),
-            eval_fraction=m.dataset.eval_fraction,
-        )
-        # The first batch routes the path's whole shard (seconds): do it before announcing that we
-        # are ready, so a start barrier releases peers that can all step at once.
-        self.batches = itertools.chain([next(batches)], batches)
+        self.batches = self.data.batches(index, route, self._artifact_folders(), self.step)
 
     def _progress(self) -> Progress:
         progress = Progress(
@@ -388,24 +373,26 @@ class Peer:
             self.stop_requested.wait(max(0.0, moved_at + settle - time.monotonic()))
         logger.info(f"training path {rotation.target} {self.path}: modules {self.model.module_ids}")
 
-    def checkpoint(self) -> Path | None:
-        """Writes a checkpoint of this peer as it is now (None without --checkpoint_dir)."""
+    def checkpoint(self, wait: bool = False) -> None:
+        """Checkpoints this peer as it is now, written in the background (`wait`: before returning)."""
         counters = Counters(self.step, self.outer_round, self.tokens_total, self.path_steps)
         meta = {**self.router.meta(), "contribution": self.contribution.meta()}
-        return self.checkpoints.save(
+        self.checkpoints.save(
             counters, self.sync, self.model, self.history, run_id=self.run_id, peer_id=self.peer_id,
-            path=self.path, loss=self.last_loss, extra_meta=meta,
+            path=self.path, loss=self.last_loss, extra_meta=meta, wait=wait,
         )  # fmt: skip
 
     def _try_checkpoint(self, failed: str) -> bool:
         """A checkpoint whose failure (a full disk) must not stop what the peer is doing: logged as
-        `failed`; returns whether it was written."""
+        `failed`, as is an earlier background write's; returns whether none failed."""
         try:
             self.checkpoint()
         except CheckpointError as e:
             logger.error(f"{failed}: {e}")
             return False
-        return True
+        for error in (errors := self.checkpoints.errors()):
+            logger.error(f"{failed}: {error}")
+        return not errors
 
     def _restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         index = path_index(self.manifest.model, self.path)
@@ -435,7 +422,7 @@ class Peer:
             self.sync.say_bye(list(self.sync.syncs), self.membership.holders())
         try:
             if self.sync is not None and self.step > 0 and self.checkpoints.saved_step != self.step:
-                self.checkpoint()
+                self.checkpoint(wait=True)
         except Exception as e:
             logger.error(f"final checkpoint failed: {e}")
         if self.membership is not None and self.sync is not None and self.sync.service is not None:

@@ -1,7 +1,10 @@
 """Following the run's router versions: DiPaCo's discriminative re-routing live (`RouterFollower`).
 
 Once per outer round the peer reads the run's router versions from the DHT (peer/run/router_versions.py:
-signed by the run's creator, refused otherwise). At its first round boundary at or after a newer
+signed by the run's creator, refused otherwise), on a thread of its own: a round's end takes the answer
+of the read started at the one before, so the training thread never waits for the DHT (that wait was
+3–8% of the goodput benchmark's loop, docs/benchmarks/goodput.md) and a switch is seen at most a
+round late. At its first round boundary at or after a newer
 version's switch round it fetches the router file by hash, re-reads its path's data shard routed by
 it, and re-publishes the record so the version outlives the tool that published it. Which documents
 a path trains on never touches what is averaged, so peers switching a round apart stay consistent.
@@ -11,20 +14,23 @@ A peer that joins after a re-route starts with the latest version that is due.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import hivemind
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import ROUTER_TTL_SECONDS
-from dht.schema import ManifestRecord
+from dht.schema import ManifestRecord, RouterRecord
 from dht.serve_limits import ServeLimits
 from monitoring.metrics import PeerMetrics
 from peer.artifacts.store import ArtifactError, ArtifactStore
 from peer.artifacts.transfer import ArtifactService
 from peer.config import PeerConfig, RunManifest
 from peer.errors import ConfigError
+from peer.faults import fault_point
 from peer.model.base import ModuleStates
 from peer.model.route import Route
 from peer.run.rebuild import make_route
@@ -68,16 +74,26 @@ class RouterFollower:
         self.version: RouterVersion | None = None
         self._announced_due = 0  # the version whose "due at round" line was logged
         self._published_at = 0.0
+        self._reading: Future | None = None  # the background read of the versions, if one was started
 
     def route(self, outer_round: int, path_index: int) -> Route:
         """The route to read our path's shard with: the latest version due by now, else the manifest's."""
-        if self._route is None and not self._switch(outer_round, path_index):
+        if self._route is None and not self._switch(outer_round, path_index, self._read()):
             self._route = make_route(self.manifest, self.base, self.folders())
         return self._route
 
     def due(self, outer_round: int, path_index: int) -> Route | None:
-        """At a round boundary: the route of a newer router version that is due, else None."""
-        return self._route if self._switch(outer_round, path_index) else None
+        """At a round boundary: the route of a newer router version that is due, else None. Uses what
+        the read started at the previous boundary found, and starts the next read."""
+        if self._reading is not None and not self._reading.done():
+            return None  # a slow DHT: one read at a time, the next boundary looks again
+        found = self._reading.result() if self._reading is not None else None
+        self._reading = Future()
+        reading = self._reading
+        threading.Thread(
+            target=lambda: reading.set_result(self._read()), name="router-versions", daemon=True
+        ).start()
+        return self._route if self._switch(outer_round, path_index, found) else None
 
     def meta(self) -> dict:
         """What a checkpoint says about the router it trained with (`pathswarm eval` routes alike)."""
@@ -92,12 +108,15 @@ class RouterFollower:
         """Where the run's artifacts (base model, router files, shards) lie on this machine."""
         return [self.artifacts.store.root] if self.artifacts is not None else []
 
-    def _switch(self, outer_round: int, path_index: int) -> bool:
+    def _read(self) -> tuple[RouterVersion, RouterRecord, int] | None:
         try:
-            found = latest_router_version(self.dht, self.config.run_name, self.record)
+            fault_point("router.read")
+            return latest_router_version(self.dht, self.config.run_name, self.record)
         except Exception as e:  # reading the DHT must never stop the training
             logger.warning(f"could not read the run's router versions: {type(e).__name__}: {e}")
-            return False
+            return None
+
+    def _switch(self, outer_round: int, path_index: int, found: tuple | None) -> bool:
         if found is None:
             return False
         version, record, _ = found

@@ -1,0 +1,63 @@
+"""A peer's data across its moves (`PathData`): a path it comes back to goes on where its stream
+stopped, a new router version starts the stream again, and only the latest few streams are kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.data.batches import PathBatches
+from peer.data.sources import load_documents
+from peer.run.rebuild import check_tokenizer, make_route
+from peer.run.record import load_verified_manifest
+from peer.seeding import stable_seed
+from peer.training.path_data import PathData
+from tests.swarm_harness import write_manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def run(tmp_path):
+    path, _ = write_manifest(tmp_path, grid=(2, 2))
+    manifest, _ = load_verified_manifest(path)
+    return manifest, check_tokenizer(manifest), make_route(manifest)
+
+
+def fresh_stream(manifest, tokenizer, route, index: int, step: int) -> PathBatches:
+    """What a peer built at every move before PathData: a new stream of the path, seeded by the step."""
+    return PathBatches(
+        load_documents(manifest.dataset), route, index, tokenizer, manifest.seq_len, 4,
+        seed=stable_seed("me", step), eval_fraction=manifest.dataset.eval_fraction,
+    )  # fmt: skip
+
+
+def take(stream, n: int) -> list[torch.Tensor]:
+    return [next(stream) for _ in range(n)]
+
+
+def test_a_path_the_peer_comes_back_to_goes_on_where_its_stream_stopped(run):
+    manifest, tokenizer, route = run
+    data = PathData(manifest, tokenizer, 4, None, "me")
+    first_visit = take(data.batches(0, route, [], step=0), 3)
+    take(data.batches(1, route, [], step=3), 2)  # a move to path 1 and back
+    back = take(data.batches(0, route, [], step=5), 2)
+    reference = take(fresh_stream(manifest, tokenizer, route, 0, step=0), 5)
+    for got, want in zip(first_visit + back, reference, strict=True):
+        assert torch.equal(got, want)
+    # before, a path visited again started over at the top of its shard: the data repeated
+    assert not torch.equal(back[0], take(fresh_stream(manifest, tokenizer, route, 0, step=5), 1)[0])
+
+
+def test_a_new_route_starts_the_paths_stream_again_and_only_the_latest_streams_are_kept(run, monkeypatch):
+    manifest, tokenizer, route = run
+    data = PathData(manifest, tokenizer, 4, None, "me")
+    take(data.batches(0, route, [], step=0), 3)
+    rerouted = make_route(manifest)  # a router version: another route object
+    again = take(data.batches(0, rerouted, [], step=7), 1)[0]
+    assert torch.equal(again, take(fresh_stream(manifest, tokenizer, rerouted, 0, step=7), 1)[0])
+    monkeypatch.setattr(PathData, "KEPT_PATHS", 2)
+    take(data.batches(1, route, [], step=8), 1)
+    take(data.batches(2, route, [], step=9), 1)  # path 0's stream, the least recent, is dropped
+    restarted = take(data.batches(0, route, [], step=10), 1)[0]
+    assert torch.equal(restarted, take(fresh_stream(manifest, tokenizer, route, 0, step=10), 1)[0])
