@@ -20,6 +20,7 @@ uncovered path can still hold rotation back while they keep claiming.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
 from peer.model.grid import ModelConfig
 from peer.seeding import stable_seed
+
+logger = logging.getLogger(__name__)
 
 Claims = dict[str, ClaimRecord]
 
@@ -50,9 +53,14 @@ def round_view(
     while True:
         claims = read()
         counted = steering(claims)
-        behind = any(c.ready and c.outer_round < round_index for c in counted.values())
-        if not behind or time.monotonic() > until or stop.wait(0.05):
+        behind = {p: c.outer_round for p, c in counted.items() if c.ready and c.outer_round < round_index}
+        if not behind or stop.is_set():
             return claims, counted
+        if time.monotonic() > until:
+            said = ", ".join(f"{p[:12]} at {r}" for p, r in sorted(behind.items()))
+            logger.info(f"rotation of round {round_index} planned on claims of earlier rounds ({said})")
+            return claims, counted
+        stop.wait(0.05)
 
 
 @dataclass(frozen=True)
