@@ -99,10 +99,7 @@ def save_checkpoint(
         raise CheckpointError(f"meta['step'] must be a non-negative int, got {step!r}")
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep}")
-    try:
-        meta_json = json.loads(json.dumps(meta))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
+    meta_json = json_meta(meta)
     cpu_tensors = tensors if isinstance(tensors, TensorSnapshot) else snapshot_tensors(tensors)
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -198,6 +195,15 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
             continue
         return tensors, info.manifest["meta"]
     return None
+
+
+def json_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's meta as it will come back (a deep copy through JSON: tuples as lists); raises
+    CheckpointError when it is not JSON-serialisable."""
+    try:
+        return json.loads(json.dumps(meta))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
 
 
 class TensorSnapshot(dict):

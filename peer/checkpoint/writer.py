@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from peer.checkpoint.store import CheckpointError, TensorSnapshot, save_checkpoint
+from peer.checkpoint.store import CheckpointError, TensorSnapshot, json_meta, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,10 @@ class CheckpointWriter:
         self.written_step = -1
 
     def submit(self, tensors: TensorSnapshot, meta: dict[str, Any]) -> None:
-        """Queues a checkpoint (tensors already copied; `meta` owned by the writer from now on)."""
+        """Queues a checkpoint (tensors already copied). `meta` is copied here, on the caller's thread:
+        nothing the caller changes later can reach what is written (raises CheckpointError when it is
+        not JSON-serialisable)."""
+        meta = json_meta(meta)
         with self._cond:
             if self._closed:
                 raise CheckpointError(f"the checkpoint writer of {self.directory} is closed")

@@ -11,7 +11,6 @@ checkpoints is taken only with --resume (a fresh start there would prune them).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -165,10 +164,6 @@ class PeerCheckpoints:
             train_seconds=history.train_seconds,
             **extra_meta,
         )
-        try:  # a copy the writer owns: nothing this thread changes later can reach it
-            meta = json.loads(json.dumps(meta))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
         self._writer.submit(snapshot, meta)
         self.saved_step = counters.step
         if wait:
