@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,31 @@ def test_a_round_end_never_waits_for_the_dht_read_of_the_router_versions(tmp_pat
         assert reading.result(timeout=30) is None  # no version published: the read found none
         follower.due(3, 0)
         assert follower._reading is not reading  # the next boundary starts the next read
+    finally:
+        faults.reset_faults()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_leaving_peer_waits_for_its_router_versions_read_before_its_dht_goes_down(tmp_path, monkeypatch):
+    """A read thread left running into the interpreter's exit aborted a peer that had finished cleanly."""
+    manifest_path, _ = _create(tmp_path / "run")
+    manifest, record = load_verified_manifest(manifest_path)
+    monkeypatch.setenv(ENV_VAR, "router.read=stall:2")
+    faults.reset_faults()
+    dht, key = start_dht(run_name="rr", run_id=record.run_id)
+    try:
+        config = PeerConfig.model_construct(run="rr", checkpoint_dir=tmp_path / "ckpt")
+        metrics = PeerMetrics("rr", "me", "0", "test")
+        follower = RouterFollower(dht, key, config, manifest, record, None, None, metrics)
+        follower.due(1, 0)
+        reading = follower._reading
+        assert reading is not None and not reading.done()
+        follower.shutdown()
+        assert reading.done()
+        reading_threads = lambda: [t for t in threading.enumerate() if t.name == "router-versions"]  # noqa: E731
+        assert not reading_threads()
+        assert follower.due(2, 0) is None and not reading_threads()  # no read starts once it left
     finally:
         faults.reset_faults()
         dht.shutdown()

@@ -161,12 +161,22 @@ def test_a_member_whose_late_partner_came_after_all_waits_longer_instead_of_runn
             started = time.monotonic()
             pairs = zip(members[:2], deltas, strict=False)
             fast = [m.runner.start((MODULE, 0, r), d, 1.0, ids, "0" * 64) for m, d in pairs]
+            if r == MIN_ROUNDS:  # decided without it (however loaded the machine): the outer loop moves on
+                for f in fast:
+                    f.result(timeout=60)
             time.sleep(max(0.0, started + delay - time.monotonic()))
-            if all(f.done() for f in fast):  # decided without it: the outer loop moves on
+            if all(f.done() for f in fast):
                 for m in members[:2]:
                     m.service.inbox.set_current(MODULE, 0, r + 1)
             slow = members[2].runner.start((MODULE, 0, r), deltas[2], 1.0, ids, "0" * 64)
             results[r] = [f.result(timeout=60) for f in [*fast, slow]]
+            # the slow member's part reached the others after their round (sent on, not waited for)
+            seen_by = time.monotonic() + 30.0
+            while r == MIN_ROUNDS and time.monotonic() < seen_by:
+                came = [m.service.inbox.came_after.get((MODULE, 0), {}).get(ids[2]) for m in members[:2]]
+                if came == [r, r]:
+                    break
+                time.sleep(0.05)
     first, second = results[MIN_ROUNDS], results[MIN_ROUNDS + 1]
     assert all(res.dropped.get(ids[2], "").startswith("late") for res in first[:2]), first[0].dropped
     # the next round waited for it: all three averaged, the same bits everywhere

@@ -86,6 +86,16 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
             watcher.shutdown()
         log_b = swarm.log_path("b").read_text()
         log_resumed = swarm.log_path("b2").read_text()
+        log_a = swarm.log_path("a").read_text()
+
+    def round_lines(round_: int) -> str:  # what each side logged about the round, should its copies differ
+        near = re.compile(rf"round {round_ - 1} |round {round_} |repair|merg|differ|left out|took their")
+        return "\n".join(
+            f"{name}: {line}"
+            for name, log in (("a", log_a), ("b", log_b), ("b2", log_resumed))
+            for line in log.splitlines()
+            if near.search(line)
+        )[-6000:]
 
     downloaded = re.findall(r"(\w+): caught up to module round", log_b)
     assert sorted(downloaded) == ["l0m0", "l1m0", "trunk"], log_b[-3000:]
@@ -129,7 +139,9 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
             load_file(str(side[round_][0] / "tensors.safetensors")) for side in (ours, theirs)
         )
         shared = [k for k in tensors_b if "/global/" in k or "/momentum/" in k]
-        assert shared and all(torch.equal(tensors_a[k], tensors_b[k]) for k in shared), round_
+        differ = [k for k in shared if not torch.equal(tensors_a[k], tensors_b[k])]
+        where = (ours[round_][0], theirs[round_][0])
+        assert shared and not differ, (round_, differ[:4], where, round_lines(round_))
 
 
 def rounds_averaged_in_pairs(ckpt: Path) -> dict[int, tuple[Path, dict]]:

@@ -76,6 +76,8 @@ class CheckpointWriter:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if done and self._thread is not None:  # idle now: it returns at once (none may outlive the peer)
+            self._thread.join(timeout=timeout_seconds)
         return done
 
     def _run(self) -> None:

@@ -431,7 +431,9 @@ class Peer:
         if self.membership is not None:
             self.membership.leave()
         # the sync layer first (its rounds use the others), the DHT last (every part talks through it)
-        for part in (self.sync, self.membership, self.metrics, self.dialback, self.artifacts, self.dht):
+        for part in (
+            self.sync, self.membership, self.router, self.metrics, self.dialback, self.artifacts, self.dht
+        ):  # fmt: skip
             if part is not None:
                 part.shutdown()
         self.checkpoints.release()

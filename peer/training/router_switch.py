@@ -75,6 +75,7 @@ class RouterFollower:
         self._announced_due = 0  # the version whose "due at round" line was logged
         self._published_at = 0.0
         self._reading: Future | None = None  # the background read of the versions, if one was started
+        self._reader: threading.Thread | None = None  # its thread
 
     def route(self, outer_round: int, path_index: int) -> Route:
         """The route to read our path's shard with: the latest version due by now, else the manifest's."""
@@ -90,10 +91,22 @@ class RouterFollower:
         found = self._reading.result() if self._reading is not None else None
         self._reading = Future()
         reading = self._reading
-        threading.Thread(
+        self._reader = threading.Thread(
             target=lambda: reading.set_result(self._read()), name="router-versions", daemon=True
-        ).start()
+        )
+        self._reader.start()
         return self._route if self._switch(outer_round, path_index, found) else None
+
+    def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        """Waits (bounded) for a read still in flight, before the DHT it reads goes down: a read thread
+        left running into the interpreter's exit was killed inside torch (hivemind's futures keep their
+        state in shared tensors) and the process aborted ("terminate called without an active
+        exception") after a clean run. No read starts after this."""
+        self._reading = Future()  # never done: `due` starts none from now on
+        if self._reader is not None:
+            self._reader.join(timeout=timeout_seconds)
+            if self._reader.is_alive():
+                logger.warning(f"the read of the router versions did not end in {timeout_seconds:.0f} s")
 
     def meta(self) -> dict:
         """What a checkpoint says about the router it trained with (`pathswarm eval` routes alike)."""
