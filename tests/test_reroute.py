@@ -176,6 +176,9 @@ def test_a_live_run_is_rerouted_by_its_creator_and_the_peers_switch_at_a_round_b
         swarm.start_peer("b2", [*joins["b"], *common, "--wait_for_peers", "1", "--resume", "--path", "1",
                          "--checkpoint_dir", str(tmp_path / "b")])  # fmt: skip
         assert swarm.wait("paused", timeout=120) == 0, paused()[-3000:]
+        # the tool saw the switch (b2 republished version 2): its first step may still be to come
+        b2_said = lambda: swarm.log_path("b2").read_text()  # noqa: E731
+        wait_for(lambda: "first inner step" in b2_said(), 60, "b2's first inner step", swarm)
         swarm.kill("b2", signal.SIGTERM)
         assert swarm.wait("b2", timeout=60) == 0
         b2_log = swarm.log_path("b2").read_text()
