@@ -164,3 +164,33 @@ def test_a_member_sitting_a_round_out_says_so_and_the_others_stop_waiting_for_it
         sat.outcome,
         sat_after,
     )
+
+
+def test_a_pair_killed_after_both_sent_a_round_applies_the_same_step_when_both_meet_it_again(
+    dht_factory, tmp_path
+):
+    """Both holders of a module sent round 0, then both were killed (a churn run's double kill) and
+    restarted at it. Each sits it out, sees the other sitting too, and nobody gets past it: the
+    second time each went on alone with its own Δ and the copies split (a churn run's rounds_split).
+    Now neither applies a part: the same step on both sides."""
+    for i in (0, 1):
+        (tmp_path / str(i)).mkdir()
+        SentRounds(tmp_path / str(i), RUN_ID).record(MODULE, 0, 0)
+    sent = {i: SentRounds(tmp_path / str(i), RUN_ID) for i in (0, 1)}
+    deltas = deltas_for(2, seed=17)
+    with sync_group(dht_factory, 2, NUMEL, averaging_timeout=20.0, report_timeout=5.0, sent=sent) as members:
+        ids = [m.peer_id for m in members]
+        first = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members, deltas, strict=True)
+        ]
+        first = [f.result(timeout=60) for f in first]
+        # each took the other's state, still at round 0, and meets the round again
+        again = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members, deltas, strict=True)
+        ]
+        again = [f.result(timeout=60) for f in again]
+    assert [r.outcome for r in first] == ["behind", "behind"], [(r.outcome, r.detail) for r in first]
+    assert [r.outcome for r in again] == ["excluded", "excluded"], [(r.outcome, r.detail) for r in again]
+    assert torch.equal(again[0].delta, again[1].delta) and not again[0].delta.any()

@@ -44,7 +44,7 @@ from peer.sync.probe import probe_silent
 from peer.sync.reports import sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
-from peer.sync.sitting_out import SittingOut
+from peer.sync.sitting_out import VOID, SittingOut
 from peer.sync.stragglers import StragglerBound
 from peer.sync.wire import Kind
 
@@ -165,11 +165,13 @@ class RoundRunner:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         if self.sitting_out.sent_already(key):  # never a second report: peer/sync/sitting_out.py
-            if await self.sitting_out.sit(key, others) == "behind":
+            how = await self.sitting_out.sit(key, others)
+            if how == "behind":
                 return RoundResult("behind", own, 1, detail="sent already", ahead=others, members=[self.me])
             inbox.slot(key).decided_with = frozenset([self.me])
-            detail = "sent already; nobody got past it"
-            return RoundResult("alone", own, 1, detail=detail, members=[self.me])
+            if how == "void":  # every member sat it out: none applies a part, so the copies stay alike
+                return RoundResult("excluded", torch.zeros_like(own), 1, detail=VOID, members=[self.me])
+            return RoundResult("alone", own, 1, detail="sent already; nobody got past it", members=[self.me])
         token = inbox.standing.own_token
         if payload is None:
             payload = await loop.run_in_executor(None, self.codec.encode, own)
@@ -391,15 +393,8 @@ class RoundRunner:
         }
         for sender in sorted(set(agreed) - set(parts)):  # agreed, but we lack it or hold another copy
             holders = [v for v in voters if v != self.me and honest[v].received.get(sender) == agreed[sender]]
-            got = await fetch_part(
-                self.service,
-                key,
-                sender,
-                agreed[sender],
-                holders,
-                own.numel(),
-                self.settings.report_timeout_seconds,
-            )
+            wait = self.settings.report_timeout_seconds
+            got = await fetch_part(self.service, key, sender, agreed[sender], holders, own.numel(), wait)
             if got is not None:
                 parts[sender] = got
         dropped = self._dropped(key, members, parts, agreed, caught, failed, slot)

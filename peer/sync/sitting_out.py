@@ -6,8 +6,10 @@ download set the state back to it (the holders were still in it when we went on 
 time, the peer sits it out: it tells the other members (`Kind.SIT_OUT`) that it sends nothing more
 for the round, so they stop waiting for its part and report at once (it answers their probes: it is
 silent, not gone), and it waits until they are past the round, then takes their state. If that state
-is still at the round (nobody got past it: every member had sent it before being killed) it goes on
-alone the second time, sending nothing; the next round's digests reconcile the copies.
+is still at the round (nobody got past it) it goes on the second time, sending nothing: when every
+other member sat the round out too (all had sent it before being killed, a double kill of a pair)
+with no part at all, as each of them does, so that their copies stay alike; else alone with its own
+Δ, and the next round's digests reconcile the copies.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from peer.sync.service import SyncService
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
+
+#: the detail of a round every member sat out the second time (the outcome "excluded", a zero Δ)
+VOID = "sent already, as every member: nobody's part is applied"
 
 
 class SittingOut:
@@ -42,16 +47,20 @@ class SittingOut:
         return self.sent.sent_already(*key)
 
     async def sit(self, key: Key, others: list[str]) -> str:
-        """ "behind" (we waited until the others were past the round: take their state) or "alone"
-        (we sat it out once already and nobody got past it: go on alone, sending nothing)."""
+        """ "behind" (we waited until the others were past the round: take their state), "alone" (we
+        sat it out once already and nobody got past it: go on alone, sending nothing) or "void" (as
+        "alone", but every other member sat it out too: none applies a part, the Δ is kept as unsent)."""
         self._notify(key, others)
+        inbox = self.service.inbox
+        sat = inbox.slot(key).sat_out
         if key in self._sat_out:
+            if all(o in sat for o in others):
+                logger.info(f"{key}: every member sat it out; nobody's part is applied, as at the others")
+                return "void"
             logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
             return "alone"
         self._sat_out.add(key)
-        inbox = self.service.inbox
         later = (key[0], key[1], key[2] + 1)
-        sat = inbox.slot(key).sat_out
 
         def past_or_all_sitting(slot) -> bool:
             # a part of theirs for the next round came, or every other member sits this one out too
