@@ -175,31 +175,45 @@ def test_step_counts_without_admission_do_not_steer_rotation_once_anyone_is_admi
 
 def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announced_the_round():
     """Peers plan alike only from the same counts: a peer whose round ended first read the others'
-    claims of the round before and moved where they did not (goodput rotation arm, session 29)."""
+    claims of the round before and moved where they did not (goodput rotation arm, session 29). A
+    claim one round behind is taken as it will be (H more steps on its path) without a wait; one
+    further behind is read again until it announces the round."""
 
-    def claim(peer: str, outer_round: int, steps: int, ready: bool = True) -> ClaimRecord:
-        return ClaimRecord(peer_id=peer, path=0, modules=["trunk"], outer_round=outer_round,
-                           path_steps={"0": steps}, ready=ready)  # fmt: skip
+    def claim(peer: str, outer_round: int, steps: int, ready: bool = True, path: int = 0) -> ClaimRecord:
+        return ClaimRecord(peer_id=peer, path=path, modules=["trunk"], outer_round=outer_round,
+                           path_steps={str(path): steps}, ready=ready)  # fmt: skip
 
-    views = iter(
-        [
-            {"a": claim("a", 4, 200), "b": claim("b", 3, 150), "c": claim("c", 1, 0, ready=False)},
-            {"a": claim("a", 4, 200), "b": claim("b", 4, 200), "c": claim("c", 1, 0, ready=False)},
-        ]
+    def reader(*views):
+        reads, views = [], iter(views)
+
+        def read():
+            reads.append(next(views))
+            return reads[-1]
+
+        return read, reads
+
+    # b's round ended a moment after ours: its claim of round 3 is carried to round 4, as it will say
+    read, reads = reader({"a": claim("a", 4, 200), "b": claim("b", 3, 150, path=1)})
+    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event(), steps_per_round=50)
+    assert len(reads) == 1 and claims["b"].outer_round == 4 and claims["b"].path_steps == {"1": 200}
+    assert counted == claims and swarm_path_steps(GRID, claims) == {0: 200, 1: 200, 2: 0, 3: 0}
+    # two rounds behind: read again until it announces the round (a mover is not waited for)
+    read, reads = reader(
+        {"a": claim("a", 4, 200), "b": claim("b", 2, 100), "c": claim("c", 1, 0, ready=False)},
+        {"a": claim("a", 4, 200), "b": claim("b", 4, 200), "c": claim("c", 1, 0, ready=False)},
     )
-    reads = []
-
-    def read():
-        reads.append(next(views))
-        return reads[-1]
-
-    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event())
-    assert len(reads) == 2 and claims["b"].outer_round == 4 and counted == claims  # a mover is not waited for
+    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event(), steps_per_round=50)
+    assert len(reads) == 2 and claims["b"].path_steps == {"0": 200} and claims["c"].outer_round == 1
     # a claim that never announces the round holds the plan back `wait_seconds`, no longer
-    lagging = {"a": claim("a", 4, 200), "b": claim("b", 3, 150)}
-    claims, _ = round_view(lambda: lagging, dict, 4, wait_seconds=0.2, stop=threading.Event())
-    assert claims is lagging
+    lagging = {"a": claim("a", 4, 200), "b": claim("b", 2, 100)}
+    claims, _ = round_view(
+        lambda: lagging, dict, 4, wait_seconds=0.2, stop=threading.Event(), steps_per_round=50
+    )
+    assert claims == lagging
     # nor past a stop request (SIGTERM)
     stopped = threading.Event()
     stopped.set()
-    assert round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped)[0] is lagging
+    assert (
+        round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped, steps_per_round=50)[0]
+        == lagging
+    )

@@ -320,10 +320,10 @@ class Membership:
         if len(covered) >= cfg.n_paths:
             return None
         own, standing, wait = self.claim_record(), self.standing, self.config.heartbeat_seconds
+        h = self.manifest.sync.inner_steps
         claims, steering = round_view(lambda: dict(self.read_claims()) | {self.peer_id: own},
                                       lambda c: steering_claims(c, standing, self.peer_id), round_index, wait,
-                                      self._stop)  # fmt: skip
-        h = self.manifest.sync.inner_steps
+                                      self._stop, h)  # fmt: skip
         return plan_rotation(cfg, claims, round_index, every, h, steps_per_round=h, counted=set(steering))
 
     def move_to(self, path: Path) -> None:
