@@ -40,8 +40,9 @@ PROBE_BYTES = 512 * 1024
 RESERVATION_WAIT_SECONDS = 15.0
 #: each start passes with odds of about 1/2 here (see the docstring), so 8 fail together ~0.4% of the time
 MAX_STARTS = 8
-#: runs of the probe before its verdict is "unchecked" (its helper daemons did not start)
-PROBE_TRIES = 2
+#: runs of the probe before its verdict is "unchecked" (its helper daemons did not start: on a loaded
+#: machine they can miss their bootstrap twice in a row), a second apart
+PROBE_TRIES = 3
 
 
 async def _serve(request: runtime_pb2.Tensor, context: P2PContext) -> runtime_pb2.Tensor:
@@ -142,6 +143,7 @@ def check_relay(dht: hivemind.DHT, tries: int = PROBE_TRIES) -> str:
                 text = str(e).strip()
                 why = f"{type(e).__name__}: {text.splitlines()[-1][:200]}" if text else type(e).__name__
                 logger.debug(f"relay probe {attempt}/{tries} could not run: {why}")
+                time.sleep(1.0)
         return f"unchecked ({why})"
     finally:
         loop.stop()

@@ -191,10 +191,16 @@ class Keeper:
             try:
                 sync = self.manifest.sync
                 holders = [p for p, c in self.claims.items() if request.module in c.modules]
-                got = await fetch_confirmed(
-                    self.service, request.module, self.numels[request.module], [sender],
-                    sync.averaging_timeout_seconds, sync.report_timeout_seconds, holders,
-                )  # fmt: skip
+                try:  # a transfer that fails is "not kept", said to the asker (not a dropped stream)
+                    got = await fetch_confirmed(
+                        self.service, request.module, self.numels[request.module], [sender],
+                        sync.averaging_timeout_seconds, sync.report_timeout_seconds, holders,
+                    )  # fmt: skip
+                except Exception as e:
+                    logger.warning(
+                        f"keeper: fetching {request.module} from {sender} failed: {type(e).__name__}: {e}"
+                    )
+                    got = None
                 kept = sum(self.states[request.module][0]) if request.module in self.states else -1
                 if got is not None and sum(got[1]) >= kept:
 
