@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -214,17 +215,26 @@ def test_a_live_run_is_rerouted_by_its_creator_and_the_peers_switch_at_a_round_b
     assert json.loads((tmp_path / "eval.json").read_text())["composite"]["ppl"] > 1
 
 
-@pytest.mark.timeout(60)
-def test_a_round_end_never_waits_for_the_dht_read_of_the_router_versions(tmp_path, monkeypatch):
+@contextmanager
+def _follower_of_a_slow_dht(tmp_path, monkeypatch, stall_seconds: float):
+    """A router follower of a real DHT whose reads of the router versions each stall that long."""
     manifest_path, _ = _create(tmp_path / "run")
     manifest, record = load_verified_manifest(manifest_path)
-    monkeypatch.setenv(ENV_VAR, "router.read=stall:5")  # a DHT that takes 5 s to answer
+    monkeypatch.setenv(ENV_VAR, f"router.read=stall:{stall_seconds}")
     faults.reset_faults()
     dht, key = start_dht(run_name="rr", run_id=record.run_id)
     try:
         config = PeerConfig.model_construct(run="rr", checkpoint_dir=tmp_path / "ckpt")
         metrics = PeerMetrics("rr", "me", "0", "test")
-        follower = RouterFollower(dht, key, config, manifest, record, None, None, metrics)
+        yield RouterFollower(dht, key, config, manifest, record, None, None, metrics)
+    finally:
+        faults.reset_faults()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_round_end_never_waits_for_the_dht_read_of_the_router_versions(tmp_path, monkeypatch):
+    with _follower_of_a_slow_dht(tmp_path, monkeypatch, 5) as follower:  # a DHT that takes 5 s to answer
         assert follower.due(1, 0) is None
         reading = follower._reading
         assert reading is not None and not reading.done()  # the round's end came back mid-read
@@ -232,23 +242,12 @@ def test_a_round_end_never_waits_for_the_dht_read_of_the_router_versions(tmp_pat
         assert reading.result(timeout=30) is None  # no version published: the read found none
         follower.due(3, 0)
         assert follower._reading is not reading  # the next boundary starts the next read
-    finally:
-        faults.reset_faults()
-        dht.shutdown()
 
 
 @pytest.mark.timeout(60)
 def test_a_leaving_peer_waits_for_its_router_versions_read_before_its_dht_goes_down(tmp_path, monkeypatch):
     """A read thread left running into the interpreter's exit aborted a peer that had finished cleanly."""
-    manifest_path, _ = _create(tmp_path / "run")
-    manifest, record = load_verified_manifest(manifest_path)
-    monkeypatch.setenv(ENV_VAR, "router.read=stall:2")
-    faults.reset_faults()
-    dht, key = start_dht(run_name="rr", run_id=record.run_id)
-    try:
-        config = PeerConfig.model_construct(run="rr", checkpoint_dir=tmp_path / "ckpt")
-        metrics = PeerMetrics("rr", "me", "0", "test")
-        follower = RouterFollower(dht, key, config, manifest, record, None, None, metrics)
+    with _follower_of_a_slow_dht(tmp_path, monkeypatch, 2) as follower:
         follower.due(1, 0)
         reading = follower._reading
         assert reading is not None and not reading.done()
@@ -257,6 +256,3 @@ def test_a_leaving_peer_waits_for_its_router_versions_read_before_its_dht_goes_d
         reading_threads = lambda: [t for t in threading.enumerate() if t.name == "router-versions"]  # noqa: E731
         assert not reading_threads()
         assert follower.due(2, 0) is None and not reading_threads()  # no read starts once it left
-    finally:
-        faults.reset_faults()
-        dht.shutdown()
