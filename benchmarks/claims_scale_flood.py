@@ -5,7 +5,9 @@ A real run: `pathswarm bootstrap` serving an invite run's manifest (a 1x1 grid o
 corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it at the default
 heartbeat. The peers' tokens/s in a window come from their own round histories (their checkpoints'
 tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile.
-After a window of training alone, two client-mode publishers (started before it) store one claim
+After a window of training alone, two client-mode publishers (started before it, at nice 19: on one
+machine the attacker's CPU would be taken from the run's, where a real one spends its own; at the
+lowest priority they run on what the run leaves idle, and their cores are reported) store one claim
 for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
 over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
 every cap of a run, and the run trains alone for a window as long again. `run_tokens_ratio` is the
@@ -72,6 +74,16 @@ def _cpu_seconds(pids: Iterable[int]) -> float:
 def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
     """Now (monotonic seconds, "at") and each group's `_cpu_seconds` so far."""
     return {"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}}
+
+
+def _lowest_priority(pids: Iterable[int]) -> None:
+    """Puts the processes `pids` and their descendants (a publisher's p2p daemon) at nice 19: on one
+    machine the attacker's CPU is taken from the run's, where a real attacker spends its own; at the
+    lowest priority the publishers run on what the run leaves idle (their cores are still measured)."""
+    for pid in pids:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            proc.nice(19)
 
 
 def _cores(start: dict, end: dict, groups: Iterable[str]) -> dict[str, float]:
@@ -155,6 +167,7 @@ def measure_flood(
             publishers = [
                 flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
             ]
+            _lowest_priority([n.pid for n in publishers])
             claims = _flood_claims(flood_keys, manifest, run_id)
             sleep_polling(args.warmup_seconds)
             # who used the machine's CPU in each window: the run's own processes (its peers with their

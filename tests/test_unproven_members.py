@@ -18,6 +18,7 @@ from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
 from peer.model.grid import ModelConfig
 from peer.run.admission import AdmissionCheck, sign_admission
+from peer.sync.dial_budget import DialBudget
 from peer.sync.inbox import Inbox
 from peer.sync.outer import MAX_UNPROVEN_MEMBERS, MAX_UNPROVEN_WITH_COMPANY, StreamingOuter
 from peer.sync.standing import Standing
@@ -30,6 +31,12 @@ NUMEL = 64
 FLOOD = 3 * MAX_UNPROVEN_MEMBERS
 
 
+def _outer(manifest: RunManifest, member, budget: DialBudget) -> StreamingOuter:
+    """A member's outer loop with no modules of its own: only whom its rounds take in is asked."""
+    metrics = PeerMetrics("t", member.peer_id, "0", "t")
+    return StreamingOuter({}, manifest, member.peer_id, metrics, member.runner, dial_budget=budget)
+
+
 def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders_average(dht_factory):
     fakes = [peer_id_of_key(RSAPrivateKey()) for _ in range(FLOOD)]
     manifest = RunManifest(
@@ -39,13 +46,13 @@ def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders
     with sync_group(dht_factory, 2, NUMEL, admitted=[0], averaging_timeout=10.0) as members:
         ids = [m.peer_id for m in members]
         holders = {MODULE: [*ids, *fakes]}
-        loops = [
-            StreamingOuter({}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
-            for m in members
-        ]
+        # rounds a minute apart, as a real run's are (the budget in time is the next test's)
+        clock = [0.0]
+        loops = [_outer(manifest, m, DialBudget(clock=lambda: clock[0])) for m in members]
         tried: list[set[str]] = [set(), set()]
         together = 0
         for round_index in range(4):
+            clock[0] += 60.0
             groups = [loop.members_of(MODULE, holders) for loop in loops]
             for i, group in enumerate(groups):
                 in_group = set(group) & set(fakes)
@@ -108,3 +115,30 @@ def test_only_holders_with_standing_or_a_part_lately_count_as_heard_from():
     assert inbox.unproven([admitted, newcomer, claimant], 60, MODULE) == sorted([newcomer, claimant])
     time.sleep(0.05)
     assert inbox.heard([newcomer, claimant], within_seconds=0.01) == []  # a part long ago is not lately
+
+
+def test_rounds_many_times_a_second_dial_no_more_unproven_holders_than_the_budget_in_time(dht_factory):
+    """Under a flood of claims, rounds that come many times a second (small modules, short H) dial
+    at most one round's sample at once and then `rate` unproven holders per second, whatever the
+    number of rounds: each dial of a key with no peer behind it is a wait and a failed dial."""
+    fakes = [peer_id_of_key(RSAPrivateKey()) for _ in range(FLOOD)]
+    manifest = RunManifest(
+        name="t", model=ModelConfig(), seq_len=32, sync=SyncConfig(averaging_timeout_seconds=10)
+    )
+    with sync_group(dht_factory, 2, NUMEL, admitted=[0], averaging_timeout=10.0) as members:
+        ids = [m.peer_id for m in members]
+        holders = {MODULE: [*ids, *fakes]}
+        clock = [0.0]
+        newcomer = _outer(manifest, members[1], DialBudget(rate=2.0, clock=lambda: clock[0]))
+        dialled = []
+        for _ in range(40):  # 40 rounds in 2 seconds
+            group = newcomer.members_of(MODULE, holders)
+            assert ids[0] in group  # the member with standing: the round itself goes on
+            dialled.append(len(set(group) & set(fakes)))
+            clock[0] += 0.05
+        # one round's sample at first, then 2 a second: 2 + 2 × 2 s (one fewer at the window's edge)
+        assert dialled[0] == MAX_UNPROVEN_WITH_COMPANY
+        assert MAX_UNPROVEN_WITH_COMPANY + 3 <= sum(dialled) <= MAX_UNPROVEN_WITH_COMPANY + 4, dialled
+        clock[0] += 60.0  # a minute without rounds: one whole sample again, never more
+        group = newcomer.members_of(MODULE, holders)
+        assert len(set(group) & set(fakes)) == MAX_UNPROVEN_WITH_COMPANY

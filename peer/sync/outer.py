@@ -31,6 +31,7 @@ from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
 from peer.faults import fault_point
+from peer.sync.dial_budget import DialBudget
 from peer.sync.fragments import fragments_due, next_due, sync_offsets
 from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
@@ -78,7 +79,8 @@ class PendingSync:
 MAX_UNPROVEN_MEMBERS = 8
 #: the same where the round already has a member with standing or heard from: a newcomer reaches us
 #: by its own part then, so the sample is only how newcomers meet each other (each dial of a key that
-#: runs no peer cost a flooded open run about 1% of its tokens/s per dial a round, claims_scale)
+#: runs no peer cost a flooded open run about 1% of its tokens/s per dial a round, claims_scale);
+#: both samples are also bounded in time (`peer.sync.dial_budget`), for rounds many times a second
 MAX_UNPROVEN_WITH_COMPANY = 2
 #: a holder is heard from while its last part is this many averaging timeouts old at most: a slow
 #: peer's rounds may be minutes apart, and a key that never sends a part gains nothing from the length
@@ -202,16 +204,19 @@ class StreamingOuter:
         round_of: Callable[[], int] | None = None,
         totals: SyncTotals | None = None,
         copies: ReportedCopies | None = None,
+        dial_budget: DialBudget | None = None,
     ):
         """`runner` runs the rounds, and its codec encodes our outer gradients (None: this peer holds
         its modules alone, every round is its own Δ); `group_of(module, round)` gives this peer's
         planned subgroup of the module's holders (None: all holders average together); `round_of()`
         the swarm's round, which rotates them; `totals` carries on the counts of the path this peer
-        rotated away from; `copies` keeps the copy each round reports, for members that merge."""
+        rotated away from; `copies` keeps the copy each round reports, for members that merge;
+        `dial_budget` how many holders never heard from its rounds dial per second."""
         self.syncs = syncs
         self.runner = runner
         self.copies = copies
         self._sample = random.Random()  # which unproven holders a round tries: nobody can predict it
+        self.dial_budget = dial_budget if dial_budget is not None else DialBudget()
         self.codec = runner.codec if runner is not None else make_codec(manifest.sync.codec)
         self.group_of = group_of
         self.round_of = round_of
@@ -317,7 +322,10 @@ class StreamingOuter:
             failed = inbox.failed_within(unproven, lately)
             candidates = [m for m in unproven if m not in failed]
             most = MAX_UNPROVEN_WITH_COMPANY if len(others) > len(unproven) else MAX_UNPROVEN_MEMBERS
-            tried = self._sample.sample(candidates, min(most, len(candidates)))
+            # and no more per second than the budget: rounds may come many times a second
+            allowed = self.dial_budget.allowance(mid, most)
+            tried = self._sample.sample(candidates, min(allowed, len(candidates)))
+            self.dial_budget.spend(mid, len(tried), most)
             left_out = set(unproven) - set(tried)
             members = [m for m in members if m not in left_out]
         return sorted(set(members) | {self.peer_id})
