@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup_seconds", type=float, default=20.0)
     p.add_argument("--heartbeat_seconds", type=float, default=5.0, help="the live run's peers' (the default)")
     p.add_argument("--run_start_timeout_seconds", type=float, default=240.0)
+    p.add_argument("--run_inner_steps", type=int, default=10, help="the live run's H (inner steps a round)")
     args = p.parse_args(argv)
     try:
         levels, k = (int(x) for x in args.grid.lower().split("x"))

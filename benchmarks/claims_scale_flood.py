@@ -5,9 +5,8 @@ A real run: `pathswarm bootstrap` serving an invite run's manifest (a 1x1 grid o
 corpus, benchmarks/local_runs.py) and two admitted `pathswarm peer`s training it at the default
 heartbeat. The peers' tokens/s in a window come from their own round histories (their checkpoints'
 tokens at each round's end); a watcher node reads the run's claims every `POLL_SECONDS` meanwhile.
-After a window of training alone, two client-mode publishers (started before it, at nice 19: on one
-machine the attacker's CPU would be taken from the run's, where a real one spends its own; at the
-lowest priority they run on what the run leaves idle, and their cores are reported) store one claim
+After a window of training alone, two client-mode publishers (started before it, at the machine's
+lowest CPU priority: `_attacker_in_background`) store one claim
 for each of `--flood_keys` fresh 1024-bit keys (the cheapest key hivemind accepts for a subkey)
 over a window as long, into the run's storage nodes — the bootstrap node and the peers' own — with
 every cap of a run, and the run trains alone for a window as long again. `run_tokens_ratio` is the
@@ -21,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from benchmarks.claims_flood import flooder
 from benchmarks.claims_scale_store import realistic_claim, store_batch
 from benchmarks.goodput import histories, tokens_at
 from benchmarks.local_runs import make_manifest, peer_argv
+from benchmarks.wan.netlab import CPU_CGROUP_ROOT, can_limit_threads, remove_cpu_cgroup
 from dht.identity import load_identity, peer_id_of_key
 from dht.keys import CLAIM_TTL_SECONDS, claim_shard, claims_key
 from dht.node import start_dht
@@ -53,7 +55,9 @@ PEERS = ("p0", "p1")
 
 def _run_args(args: argparse.Namespace) -> argparse.Namespace:
     """A run long enough to outlast both windows (the peers are stopped after them)."""
-    return argparse.Namespace(rounds=10_000, inner_steps=10, d_model=64, batch_size=8, builtin_docs=1500)
+    return argparse.Namespace(
+        rounds=10_000, inner_steps=args.run_inner_steps, d_model=64, batch_size=8, builtin_docs=1500
+    )
 
 
 def _cpu_seconds(pids: Iterable[int]) -> float:
@@ -76,14 +80,34 @@ def _cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
     return {"at": time.monotonic(), **{g: _cpu_seconds(pids) for g, pids in groups.items()}}
 
 
-def _lowest_priority(pids: Iterable[int]) -> None:
-    """Puts the processes `pids` and their descendants (a publisher's p2p daemon) at nice 19: on one
-    machine the attacker's CPU is taken from the run's, where a real attacker spends its own; at the
-    lowest priority the publishers run on what the run leaves idle (their cores are still measured)."""
-    for pid in pids:
-        root = psutil.Process(pid)
-        for proc in [root, *root.children(recursive=True)]:
-            proc.nice(19)
+@contextmanager
+def _attacker_in_background(pids: Iterable[int]) -> Iterator[str]:
+    """Puts the processes `pids` and their descendants (a publisher's p2p daemon), every thread, at
+    the machine's lowest CPU priority while inside; yields how. On one machine the attacker's CPU is
+    taken from the run's, where a real attacker spends its own; so the publishers run on what the
+    run leaves idle (their cores are still measured). A nice value does not do it: the kernel
+    schedules sessions (autogroups) fairly whatever their members' nice, and the run's peers each
+    have their own; a cgroup v1 `cpu` group with the least weight does (as root)."""
+    threads = [
+        t.id
+        for pid in pids
+        for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        for t in proc.threads()
+    ]
+    if not can_limit_threads():
+        for tid in threads:  # Linux keeps a nice value per thread
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        yield "nice 19 (no cgroup v1 cpu controller here, or not root: the kernel's autogroups may undo it)"
+        return
+    group = CPU_CGROUP_ROOT / f"psw-flood-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    try:
+        (group / "cpu.shares").write_text("2")  # the least weight; a nice-0 session has 1024
+        for tid in threads:  # threads started later inherit the group of the thread that starts them
+            (group / "tasks").write_text(str(tid))
+        yield "cpu cgroup with cpu.shares 2"
+    finally:
+        remove_cpu_cgroup(group)
 
 
 def _cores(start: dict, end: dict, groups: Iterable[str]) -> dict[str, float]:
@@ -133,7 +157,7 @@ def measure_flood(
     run, run_id = f"{manifest.name}@{record.run_id[:16]}", record.run_id
     samples: list[tuple[float, int]] = []
     seen_both: list[tuple[float, bool]] = []
-    with LocalSwarm(folder / "logs") as swarm:
+    with LocalSwarm(folder / "logs") as swarm, ExitStack() as background:
         ids = _start_run(swarm, folder, creator, run, run_id, run_args, args.heartbeat_seconds)
         watcher, _ = start_dht(
             initial_peers=swarm.initial_peers, client_mode=True, run_name=manifest.name, run_id=run_id
@@ -167,7 +191,7 @@ def measure_flood(
             publishers = [
                 flooder(flood_keys, schema, swarm.initial_peers, client_mode=True) for _ in range(2)
             ]
-            _lowest_priority([n.pid for n in publishers])
+            attacker_priority = background.enter_context(_attacker_in_background([n.pid for n in publishers]))
             claims = _flood_claims(flood_keys, manifest, run_id)
             sleep_polling(args.warmup_seconds)
             # who used the machine's CPU in each window: the run's own processes (its peers with their
@@ -200,6 +224,7 @@ def measure_flood(
         **_rates_summary(*rates),
         "honest_seen_during_flood": round(sum(during) / len(during), 3) if during else None,
         "peers_alive_after": alive, "run": run, "admission": mode, "tokens_measured_by": measured_by,
+        "run_inner_steps": run_args.inner_steps, "attacker_priority": attacker_priority,
         # cores used on average in each window, by the run's processes and by the flood's publishers
         "cores_before": _cores(cpu[0], cpu[1], groups), "cores_during": _cores(cpu[1], cpu[2], groups),
         "machine_cores": psutil.cpu_count(),

@@ -142,10 +142,11 @@ def remove_tag(tag: str) -> None:
     for link in lab_links(tag):
         _run("ip", "link", "del", link, check=False)
     for group in lab_cgroups(tag):
-        _remove_cgroup(group)
+        remove_cpu_cgroup(group)
 
 
-def _remove_cgroup(group: Path) -> None:
+def remove_cpu_cgroup(group: Path) -> None:
+    """Moves the threads still in `group` back to the root group and deletes it (quietly: cleanup)."""
     try:
         for tid in (group / "tasks").read_text().split():  # threads still inside go back to the root
             try:
@@ -290,7 +291,7 @@ class NetLab:
             _run("ip", "link", "del", h.host_veth, check=False)  # gone with its namespace peer, normally
         _run("ip", "link", "del", self.bridge, check=False)
         for group in self.cgroups:
-            _remove_cgroup(group)
+            remove_cpu_cgroup(group)
         self.cgroups = []
         remove_tag(self.tag)  # anything else named after this lab (a half-made setup)
         self._made = False
