@@ -81,7 +81,7 @@ def _flood_rows(f: dict, run: str) -> list[tuple[str, str]]:
          f"{f['run_tokens_ratio']} ({f['run_tokens_ratio_both_ends']})"),
         (f"flood, {run}: cores used before, run / publishers", "{run} / {flood}".format(**f["cores_before"])),
         (f"flood, {run}: cores used during, run / publishers", "{run} / {flood}".format(**f["cores_during"])
-         + f" (of {f['machine_cores']}: on one machine the flood's CPU is taken from the run's)"),
+         + f" (of {f['machine_cores']}; publishers at {f.get('attacker_priority', 'equal priority')})"),
         (f"flood, {run}: watcher reads that saw both admitted peers", str(f["honest_seen_during_flood"])),
     ]  # fmt: skip
 

@@ -24,7 +24,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
@@ -96,7 +96,8 @@ def _attacker_in_background(pids: Iterable[int]) -> Iterator[str]:
     ]
     if not can_limit_threads():
         for tid in threads:  # Linux keeps a nice value per thread
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            with suppress(ProcessLookupError):  # a thread that ended since it was listed
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
         yield "nice 19 (no cgroup v1 cpu controller here, or not root: the kernel's autogroups may undo it)"
         return
     group = CPU_CGROUP_ROOT / f"psw-flood-{os.getpid()}"
@@ -104,7 +105,8 @@ def _attacker_in_background(pids: Iterable[int]) -> Iterator[str]:
     try:
         (group / "cpu.shares").write_text("2")  # the least weight; a nice-0 session has 1024
         for tid in threads:  # threads started later inherit the group of the thread that starts them
-            (group / "tasks").write_text(str(tid))
+            with suppress(OSError):  # a thread that ended since it was listed
+                (group / "tasks").write_text(str(tid))
         yield "cpu cgroup with cpu.shares 2"
     finally:
         remove_cpu_cgroup(group)
