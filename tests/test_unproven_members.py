@@ -7,6 +7,7 @@ nodes and P2P streams."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -37,15 +38,22 @@ def _outer(manifest: RunManifest, member, budget: DialBudget) -> StreamingOuter:
     return StreamingOuter({}, manifest, member.peer_id, metrics, member.runner, dial_budget=budget)
 
 
-def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders_average(dht_factory):
+@contextmanager
+def _flooded_pair(dht_factory):
+    """Two real members of a module, member 0 admitted and member 1 on probation (it counts once its
+    first part reached member 0), whose claim view also names FLOOD fakes as holders; yields
+    (manifest, members, their ids, the view's holders, the fakes)."""
     fakes = [peer_id_of_key(RSAPrivateKey()) for _ in range(FLOOD)]
     manifest = RunManifest(
         name="t", model=ModelConfig(), seq_len=32, sync=SyncConfig(averaging_timeout_seconds=10)
     )
-    # member 0 is admitted, member 1 on probation: it counts once its first part reached member 0
     with sync_group(dht_factory, 2, NUMEL, admitted=[0], averaging_timeout=10.0) as members:
         ids = [m.peer_id for m in members]
-        holders = {MODULE: [*ids, *fakes]}
+        yield manifest, members, ids, {MODULE: [*ids, *fakes]}, fakes
+
+
+def test_claimants_never_heard_from_are_tried_a_few_per_round_while_real_holders_average(dht_factory):
+    with _flooded_pair(dht_factory) as (manifest, members, ids, holders, fakes):
         # rounds a minute apart, as a real run's are (the budget in time is the next test's)
         clock = [0.0]
         loops = [_outer(manifest, m, DialBudget(clock=lambda: clock[0])) for m in members]
@@ -121,13 +129,7 @@ def test_rounds_many_times_a_second_dial_no_more_unproven_holders_than_the_budge
     """Under a flood of claims, rounds that come many times a second (small modules, short H) dial
     at most one round's sample at once and then `rate` unproven holders per second, whatever the
     number of rounds: each dial of a key with no peer behind it is a wait and a failed dial."""
-    fakes = [peer_id_of_key(RSAPrivateKey()) for _ in range(FLOOD)]
-    manifest = RunManifest(
-        name="t", model=ModelConfig(), seq_len=32, sync=SyncConfig(averaging_timeout_seconds=10)
-    )
-    with sync_group(dht_factory, 2, NUMEL, admitted=[0], averaging_timeout=10.0) as members:
-        ids = [m.peer_id for m in members]
-        holders = {MODULE: [*ids, *fakes]}
+    with _flooded_pair(dht_factory) as (manifest, members, ids, holders, fakes):
         clock = [0.0]
         newcomer = _outer(manifest, members[1], DialBudget(rate=2.0, clock=lambda: clock[0]))
         dialled = []
