@@ -22,8 +22,8 @@ UNPROVEN_DIALS_PER_SECOND = 1.0
 
 
 class DialBudget:
-    """Per module: how many unproven holders the next round may dial (`allowance`), and what it did
-    (`spend`). The bucket starts full: a peer's first round tries its whole sample."""
+    """Per module: how many unproven holders the next round may dial (`take`). The bucket starts full:
+    a peer's first round tries its whole sample."""
 
     def __init__(self, rate: float = UNPROVEN_DIALS_PER_SECOND, clock: Callable[[], float] = time.monotonic):
         if rate <= 0:
@@ -33,17 +33,12 @@ class DialBudget:
         #: module -> (tokens, at when they were counted); a module first seen has a full bucket
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def allowance(self, module: str, most: int) -> int:
-        """How many of at most `most` (this round's sample) the round may dial now."""
-        tokens = self._tokens(module, most)
-        return min(most, int(tokens))
-
-    def spend(self, module: str, dials: int, most: int) -> None:
-        """The round dials `dials` unproven holders (its sample of at most `most`)."""
-        tokens = self._tokens(module, most)
-        self._buckets[module] = (tokens - dials, self.clock())
-
-    def _tokens(self, module: str, most: int) -> float:
+    def take(self, module: str, most: int, candidates: int) -> int:
+        """How many of `candidates` unproven holders this round dials, its sample being at most `most`
+        (the bucket's size); those are spent."""
         now = self.clock()
         tokens, at = self._buckets.get(module, (float(most), now))
-        return min(float(most), tokens + (now - at) * self.rate)
+        tokens = min(float(most), tokens + (now - at) * self.rate)
+        dials = min(int(tokens), candidates)
+        self._buckets[module] = (tokens - dials, now)
+        return dials

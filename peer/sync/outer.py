@@ -323,9 +323,7 @@ class StreamingOuter:
             candidates = [m for m in unproven if m not in failed]
             most = MAX_UNPROVEN_WITH_COMPANY if len(others) > len(unproven) else MAX_UNPROVEN_MEMBERS
             # and no more per second than the budget: rounds may come many times a second
-            allowed = self.dial_budget.allowance(mid, most)
-            tried = self._sample.sample(candidates, min(allowed, len(candidates)))
-            self.dial_budget.spend(mid, len(tried), most)
+            tried = self._sample.sample(candidates, self.dial_budget.take(mid, most, len(candidates)))
             left_out = set(unproven) - set(tried)
             members = [m for m in members if m not in left_out]
         return sorted(set(members) | {self.peer_id})
