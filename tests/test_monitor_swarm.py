@@ -82,7 +82,12 @@ def fast_rules(folder: Path) -> Path:
     return path
 
 
-def start_prometheus(folder: Path, port: int, targets: dict[str, list[str]]) -> subprocess.Popen:
+def start_prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus scraping `targets`, returned once it answers `/-/ready`, with its URL.
+
+    Its port is picked free before it starts, so another process (a parallel test's daemon dialling
+    out from that port) can take it in between: Prometheus then exits, and it is started again on
+    another port rather than every query after meeting a closed port."""
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(fast_rules(folder))],
@@ -91,14 +96,28 @@ def start_prometheus(folder: Path, port: int, targets: dict[str, list[str]]) -> 
         ],
     }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = open(folder / "prometheus.log", "w")  # noqa: SIM115 - closed right after the process starts
-    proc = subprocess.Popen(
-        [prometheus, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    log.close()
-    return proc
+    for attempt in range(3):
+        port = free_port()
+        log_path = folder / f"prometheus-{attempt}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [prometheus, f"--config.file={folder / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return proc, url
+            except OSError:
+                pass  # not listening yet, or still starting (503)
+            time.sleep(0.3)
+        proc.kill()
+        proc.wait(timeout=20)
+    raise AssertionError(f"prometheus did not become ready in 3 tries:\n{log_path.read_text()[-2000:]}")
 
 
 def peer_id_in_log(swarm: LocalSwarm, name: str) -> str | None:
@@ -120,8 +139,8 @@ def chromium_run(*args: str) -> str:
 @pytest.mark.timeout(420)
 def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_path):
     manifest, run_id = write_manifest(tmp_path)
-    ports = {name: free_port() for name in ("a", "b", "monitor", "page", "prometheus")}
-    prom_url = f"http://127.0.0.1:{ports['prometheus']}"
+    ports = {name: free_port() for name in ("a", "b", "monitor", "page")}
+    prom_url = ""
     page_url = f"http://127.0.0.1:{ports['page']}"
     prom = None
     with LocalSwarm(tmp_path / "logs") as swarm:
@@ -139,7 +158,7 @@ def test_prometheus_and_status_page_see_the_swarm_and_an_orphaned_module(tmp_pat
             ["monitor", "--initial_peers", *swarm.initial_peers, "--host_maddrs", LOOPBACK, *monitor],
         )
         try:
-            prom = start_prometheus(tmp_path, ports["prometheus"], {
+            prom, prom_url = start_prometheus(tmp_path, {
                 "monitor": [f"127.0.0.1:{ports['monitor']}"],
                 "peers": [f"127.0.0.1:{ports['a']}", f"127.0.0.1:{ports['b']}"],
             })  # fmt: skip
