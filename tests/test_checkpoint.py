@@ -198,6 +198,22 @@ def test_prune_keeps_newest(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000025"]
 
 
+def test_pruning_sees_a_manifest_torn_after_it_was_read_complete(tmp_path):
+    """Pruning remembers which manifests were complete; one changed on disk since is read again."""
+    for step in (1, 2):
+        save_checkpoint(tmp_path, weights(step), {"step": step}, keep=2)
+    (tmp_path / "ckpt-000000002" / "manifest.json").write_text('{"format": "pathswarm-checkpoint"')
+    save_checkpoint(tmp_path, weights(3), {"step": 3}, keep=2)
+    # the two newest complete ones are 1 and 3: step 1 stays (step 2 is no checkpoint any more)
+    assert [(info.step, info.complete) for info in list_checkpoints(tmp_path)] == [
+        (1, True),
+        (2, False),
+        (3, True),
+    ]
+    _, meta = load_latest_checkpoint(tmp_path)
+    assert meta == {"step": 3}
+
+
 def test_same_step_replaced(tmp_path):
     save_checkpoint(tmp_path, weights(1), {"step": 7, "v": 1})
     save_checkpoint(tmp_path, weights(2), {"step": 7, "v": 2})

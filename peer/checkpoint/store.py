@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 # Temp folders this process is writing right now: never "stale", whatever their pid says.
 _active_lock = threading.Lock()
 _active_temps: set[Path] = set()
+# Manifests this process found complete or not, by folder, with the manifest's (inode, size, mtime).
+_complete_seen: dict[Path, tuple[tuple[int, int, int], bool]] = {}
 
 
 class CheckpointError(PathswarmError, RuntimeError):
@@ -84,7 +86,7 @@ class CheckpointInfo:
 
 
 def save_checkpoint(
-    directory: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any], keep: int = 2
+    directory: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any] | EncodedMeta, keep: int = 2
 ) -> Path:
     """Write ``tensors`` and ``meta`` as checkpoint ``meta["step"]``, prune to ``keep``; return its folder.
 
@@ -94,12 +96,10 @@ def save_checkpoint(
     what the training thread copied). Saving a step that already exists replaces it.
     """
     directory = Path(directory)
-    step = meta.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"meta['step'] must be a non-negative int, got {step!r}")
+    encoded = encode_meta(meta)
+    step = encoded.step
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep}")
-    meta_json = json_meta(meta)
     cpu_tensors = tensors if isinstance(tensors, TensorSnapshot) else snapshot_tensors(tensors)
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -128,14 +128,16 @@ def save_checkpoint(
             "version": FORMAT_VERSION,
             "step": step,
             "created_unix": time.time(),
-            "meta": meta_json,
             "tensors_file": {"name": TENSORS_FILE, "size": size, "sha256": sha256},
             "tensors": {
                 name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                 for name, t in cpu_tensors.items()
             },
         }
-        body = json.dumps(manifest, indent=1).encode()
+        # compact: an indented dump takes the json module's pure-Python encoder, ~4x slower, and the
+        # manifest carries the round history (~100 KB), written every round
+        # the meta goes in as encoded once; its key last
+        body = (json.dumps(manifest, separators=(",", ":"))[:-1] + ',"meta":' + encoded.text + "}").encode()
         _write_durably(
             temp / MANIFEST_FILE, lambda f: f.write(body), before_rename="checkpoint.before_manifest"
         )
@@ -170,12 +172,10 @@ def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for entry in directory.iterdir():
-        match = _CKPT_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append(CheckpointInfo(entry, int(match.group(1)), _read_manifest(entry)))
-    return sorted(found, key=lambda info: info.step)
+    return [
+        CheckpointInfo(folder, step, _read_manifest(folder))
+        for step, folder in _checkpoint_folders(directory)
+    ]
 
 
 def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
@@ -197,11 +197,25 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], di
     return None
 
 
-def json_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's meta as it will come back (a deep copy through JSON: tuples as lists); raises
-    CheckpointError when it is not JSON-serialisable."""
+@dataclass(frozen=True)
+class EncodedMeta:
+    """A checkpoint's meta serialised once (`encode_meta`): immutable, so a writer thread can save it
+    while the caller changes its own dicts, and embedded in the manifest as it is."""
+
+    step: int
+    text: str
+
+
+def encode_meta(meta: dict[str, Any] | EncodedMeta) -> EncodedMeta:
+    """`meta` as JSON (tuples become lists); raises CheckpointError when it is not JSON-serialisable
+    or has no valid ``step``. The round history makes it ~100 KB: it is encoded once per checkpoint."""
+    if isinstance(meta, EncodedMeta):
+        return meta
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"meta['step'] must be a non-negative int, got {step!r}")
     try:
-        return json.loads(json.dumps(meta))
+        return EncodedMeta(step, json.dumps(meta, separators=(",", ":"), allow_nan=True))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint meta is not JSON-serialisable: {e}") from None
 
@@ -312,15 +326,44 @@ def _remove_stale_temps(directory: Path) -> None:
 
 def _prune(directory: Path, keep: int) -> None:
     """Keep the ``keep`` newest complete checkpoints; drop older complete and incomplete ones."""
-    infos = list_checkpoints(directory)
-    kept = [info for info in infos if info.complete][-keep:]
+    folders = _checkpoint_folders(directory)
+    kept = [(step, folder) for step, folder in folders if _is_complete(folder)][-keep:]
     if not kept:
         return
-    oldest_kept = kept[0].step
-    for info in infos:
-        if info.step < oldest_kept:
-            logger.info("pruning checkpoint %s", info.path)
-            shutil.rmtree(info.path, ignore_errors=True)
+    oldest_kept = kept[0][0]
+    for step, folder in folders:
+        if step < oldest_kept:
+            logger.info("pruning checkpoint %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            with _active_lock:
+                _complete_seen.pop(folder, None)
+
+
+def _checkpoint_folders(directory: Path) -> list[tuple[int, Path]]:
+    found = []
+    for entry in directory.iterdir():
+        match = _CKPT_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _is_complete(folder: Path) -> bool:
+    """`_read_manifest(folder) is not None`, remembered per manifest file (inode, size, mtime): a save
+    prunes after every checkpoint, and parsing each kept manifest again (the round history, ~100 KB)
+    cost more than the save's own JSON."""
+    try:
+        st = (folder / MANIFEST_FILE).stat()
+    except OSError:
+        return False
+    stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+    with _active_lock:
+        if _complete_seen.get(folder, (None, False))[0] == stamp:
+            return _complete_seen[folder][1]
+    complete = _read_manifest(folder) is not None
+    with _active_lock:
+        _complete_seen[folder] = (stamp, complete)
+    return complete
 
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from peer.checkpoint.store import CheckpointError, TensorSnapshot, json_meta, save_checkpoint
+from peer.checkpoint.store import CheckpointError, EncodedMeta, TensorSnapshot, encode_meta, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class CheckpointWriter:
         self.directory = Path(directory)
         self.keep = keep
         self._cond = threading.Condition()
-        self._waiting: tuple[TensorSnapshot, dict[str, Any]] | None = None
+        self._waiting: tuple[TensorSnapshot, EncodedMeta] | None = None
         self._writing = False
         self._errors: list[str] = []
         self._closed = False
@@ -41,16 +41,16 @@ class CheckpointWriter:
         self.written_step = -1
 
     def submit(self, tensors: TensorSnapshot, meta: dict[str, Any]) -> None:
-        """Queues a checkpoint (tensors already copied). `meta` is copied here, on the caller's thread:
+        """Queues a checkpoint (tensors already copied). `meta` is encoded here, on the caller's thread:
         nothing the caller changes later can reach what is written (raises CheckpointError when it is
         not JSON-serialisable)."""
-        meta = json_meta(meta)
+        meta = encode_meta(meta)
         with self._cond:
             if self._closed:
                 raise CheckpointError(f"the checkpoint writer of {self.directory} is closed")
             if self._waiting is not None:
                 logger.debug(
-                    f"checkpoint step {self._waiting[1].get('step')} replaced by step {meta.get('step')} "
+                    f"checkpoint step {self._waiting[1].step} replaced by step {meta.step} "
                     "before it was written (the disk is slower than the rounds)"
                 )
             self._waiting = (tensors, meta)
@@ -94,11 +94,11 @@ class CheckpointWriter:
             except CheckpointError as e:
                 failed = str(e)
             except Exception as e:  # the thread must outlive any one write; the caller hears of it
-                failed = f"writing checkpoint step {meta.get('step')} failed: {type(e).__name__}: {e}"
+                failed = f"writing checkpoint step {meta.step} failed: {type(e).__name__}: {e}"
             with self._cond:
                 self._writing = False
                 if failed is None:
-                    self.written_step = int(meta["step"])
+                    self.written_step = meta.step
                 else:
                     self._errors.append(failed)
                 self._cond.notify_all()
