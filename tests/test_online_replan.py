@@ -20,7 +20,7 @@ from peer.config.manifest import SchedulerConfig, SyncConfig
 from peer.model.grid import ModelConfig, all_paths
 from peer.run.record import sign_manifest
 from peer.scheduler import Assignment, GridState, online_decision
-from peer.swarm.claims import publish_claim
+from peer.swarm.claims import holders_by_module, publish_claim
 from peer.swarm.membership import Membership, Progress
 from peer.swarm.planning import build_snapshot, grid_state, online_move, path_parameters
 from peer.training.replan import OnlineReplanner
@@ -339,3 +339,22 @@ def test_a_module_whose_holders_are_all_moving_is_downloaded_from_them_not_start
         donors = member.donors()
         assert (moving.peer_id, 9) in donors["l0m1"] and (moving.peer_id, 12) in donors["trunk"]
         assert (behind.peer_id, 0) in donors["l0m1"]  # listed, never taken: not past any round
+
+
+@pytest.mark.swarm  # a real DHT node (a child process) under the peer's membership
+@pytest.mark.timeout(60)
+def test_holders_follow_every_new_claim_view_and_one_callers_edit_reaches_no_other(tmp_path):
+    """The training loop asks for the holders every step; they are worked out once per claim view
+    (a flooded view holds hundreds of claims), so a new view must replace them at once, and what one
+    caller does to its answer must not change the next caller's."""
+    with live_member(tmp_path, manifest()) as member:
+        show(member, "pa", MIXED, FAST)
+        mixed = holders_by_module(member.claims)
+        first = member.holders()
+        assert first == mixed
+        first["trunk"].append("someone else")
+        first.pop("l0m0")
+        assert member.holders() == mixed
+        moved = MIXED | {"pc": MIXED["pa"] if MIXED["pc"] != MIXED["pa"] else 1 - MIXED["pa"]}
+        show(member, "pa", moved, FAST)
+        assert member.holders() == holders_by_module(member.claims) != mixed

@@ -107,6 +107,7 @@ class Membership:
         #: how other peers reach us: "direct", "relay", "unreachable" or "unknown" (not checked yet)
         self.reachability = "unknown"
         self.claims: dict[str, ClaimRecord] = {}
+        self._holders: tuple[dict, dict[str, list[str]]] = ({}, {})  # (the view, its ready holders)
         self.snapshot = None
         self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
         self._claim_view = ClaimView.of_run(manifest, record)
@@ -141,8 +142,12 @@ class Membership:
         return claim is not None and module in claim.modules
 
     def holders(self) -> dict[str, list[str]]:
-        """Ready holders of each module, from the current claim view."""
-        return holders_by_module(self.claims)
+        """Ready holders of each module in the claim view (a copy), worked out once per view: the
+        training loop asks every step, and a flooded view holds hundreds of claims."""
+        claims = self.claims
+        if self._holders[0] is not claims:
+            self._holders = (claims, holders_by_module(claims))
+        return {module: list(peers) for module, peers in self._holders[1].items()}
 
     def donors(self) -> dict[str, list[tuple[str, int]]]:
         """(peer id, total fragment rounds) of the other holders of each module, movers included: one
@@ -172,7 +177,7 @@ class Membership:
         """Modules of our path (or `modules` of it) no other ready peer with standing holds: we are
         their last holder (`claims.last_held`)."""
         ours = path_module_ids(self.manifest.model, self.path) if modules is None else modules
-        return last_held(ours, holders_by_module(self.claims), self.peer_id, self.standing)
+        return last_held(ours, self.holders(), self.peer_id, self.standing)
 
     def group_of(self, module_id: str, round_index: int) -> tuple[int, list[str]] | None:
         """Our planned subgroup of the module's holders this round (None: all holders together)."""
@@ -197,28 +202,15 @@ class Membership:
     def claim_record(self, leaving: bool = False) -> ClaimRecord:
         m, p = self.manifest, self.progress()
         return ClaimRecord(
-            peer_id=self.peer_id,
-            path=path_index(m.model, self.path),
-            modules=path_module_ids(m.model, self.path),
-            step=p.step,
-            outer_round=p.outer_round,
-            tokens_total=p.tokens_total,
-            tokens_per_second=p.tokens_per_second,
-            client_mode=self.config.client_mode,
-            digests=p.digests,
-            module_rounds=p.module_rounds,
-            ready=self.ready,
-            leaving=leaving,
-            software_version=__version__,
-            reachability=self.reachability,
-            loss=p.loss,
-            sync_outcomes=p.sync_outcomes,
-            bad_parts=p.bad_parts,
-            bytes_sent=p.bytes_sent,
-            bytes_received=p.bytes_received,
-            path_steps=claimed_path_steps(p.path_steps),
+            peer_id=self.peer_id, path=path_index(m.model, self.path),
+            modules=path_module_ids(m.model, self.path), step=p.step, outer_round=p.outer_round,
+            tokens_total=p.tokens_total, tokens_per_second=p.tokens_per_second,
+            client_mode=self.config.client_mode, digests=p.digests, module_rounds=p.module_rounds,
+            ready=self.ready, leaving=leaving, software_version=__version__, reachability=self.reachability,
+            loss=p.loss, sync_outcomes=p.sync_outcomes, bad_parts=p.bad_parts, bytes_sent=p.bytes_sent,
+            bytes_received=p.bytes_received, path_steps=claimed_path_steps(p.path_steps),
             admission=self.standing.own_token,
-        )
+        )  # fmt: skip
 
     def publish_claim(self, leaving: bool = False) -> None:
         record = self.claim_record(leaving)
