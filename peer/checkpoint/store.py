@@ -134,9 +134,8 @@ def save_checkpoint(
                 for name, t in cpu_tensors.items()
             },
         }
-        # compact: an indented dump takes the json module's pure-Python encoder, ~4x slower, and the
-        # manifest carries the round history (~100 KB), written every round
-        # the meta goes in as encoded once; its key last
+        # compact (an indented dump takes json's pure-Python encoder, ~4x slower), and the meta (~100 KB
+        # of round history, every round) goes in as `encode_meta` encoded it, as the last key
         body = (json.dumps(manifest, separators=(",", ":"))[:-1] + ',"meta":' + encoded.text + "}").encode()
         _write_durably(
             temp / MANIFEST_FILE, lambda f: f.write(body), before_rename="checkpoint.before_manifest"
