@@ -357,8 +357,9 @@ def _is_complete(folder: Path) -> bool:
         return False
     stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
     with _active_lock:
-        if _complete_seen.get(folder, (None, False))[0] == stamp:
-            return _complete_seen[folder][1]
+        seen = _complete_seen.get(folder)
+    if seen is not None and seen[0] == stamp:
+        return seen[1]
     complete = _read_manifest(folder) is not None
     with _active_lock:
         _complete_seen[folder] = (stamp, complete)

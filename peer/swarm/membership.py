@@ -106,6 +106,8 @@ class Membership:
         self.ready = False
         #: how other peers reach us: "direct", "relay", "unreachable" or "unknown" (not checked yet)
         self.reachability = "unknown"
+        #: the claim view; replaced by each read, never changed in place: what is worked out from it is
+        #: kept per view (`holders`, the rotation's first-seen notes)
         self.claims: dict[str, ClaimRecord] = {}
         self._holders: tuple[dict, dict[str, list[str]]] = ({}, {})  # (the view, its ready holders)
         self.snapshot = None
