@@ -16,7 +16,8 @@ from peer.model.grid import ModelConfig, path_module_ids
 from peer.model.transformer import PathModel
 from peer.sync.fragments import FragmentPlan, fragments_due, sync_offsets
 from peer.sync.module_sync import ModuleSync
-from peer.sync.outer import OverlapTuner, StreamingOuter
+from peer.sync.outer import StreamingOuter
+from peer.sync.overlap import OverlapTuner
 from tests.sync_members import advance, sync_group
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)

@@ -20,7 +20,6 @@ here calls back up.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from peer.sync.dial_budget import DialBudget
 from peer.sync.fragments import fragments_due, next_due, sync_offsets
 from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
+from peer.sync.overlap import OverlapTuner
 from peer.sync.rounds import RoundResult, RoundRunner
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,11 @@ class PendingSync:
     results: dict[str, RoundResult] = field(default_factory=dict)
     #: each module's outer step, computed off the training thread as soon as its round ended
     prepared: dict[str, Future] = field(default_factory=dict)
+    #: when the loop reached `due_step` with the round still running and trained on (`StreamingOuter.due`)
+    held_since: float | None = None
+
+    def finished(self) -> bool:
+        return all(f.done() for f in self.futures.values())
 
 
 #: holders without standing that offered us no part lately which one round of a module tries at most
@@ -134,62 +139,6 @@ class SyncTotals:
         self.bytes_received += r.bytes_received
 
 
-class OverlapTuner:
-    """τ from measured sync time: when fragment syncs keep outlasting the τ steps meant to hide them,
-    τ is raised as far as the schedule allows (τ < H/P: a fragment's sync must be applied before the
-    next fragment's starts). τ only changes when the run overlaps at all (τ > 0 in the manifest):
-    τ = 0 is blocking DiLoCo by choice. Holders may differ in τ: it only moves when each merges the
-    same θ̃ into its own local model, never what the group averages."""
-
-    #: syncs in a row that must outlast τ before it is raised (one slow sync is not a trend)
-    LATE_SYNCS = 2
-
-    def __init__(self, tau: int, inner_steps: int, fragments: int):
-        self.tau = tau
-        self.max_tau = max(0, inner_steps // fragments - 1)
-        self.step_seconds: float | None = None
-        self._started: float | None = None
-        self._late = 0
-        self._warned = False
-
-    def step_started(self) -> None:
-        self._started = time.monotonic()
-
-    def step_ended(self) -> None:
-        """One inner step's compute time (syncs excluded), smoothed."""
-        if self._started is None:
-            return
-        dt = time.monotonic() - self._started
-        self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
-
-    def sync_waited(self, seconds: float) -> None:
-        """The loop waited `seconds` for a sync that was due: τ steps did not hide it."""
-        if self.tau == 0 or not self.step_seconds:
-            return
-        if seconds < 0.25 * self.step_seconds:
-            self._late = 0
-            return
-        self._late += 1
-        if self._late < self.LATE_SYNCS:
-            return
-        self._late = 0
-        wanted = self.tau + math.ceil(seconds / self.step_seconds)
-        if self.tau < self.max_tau:
-            raised = min(self.max_tau, wanted)
-            logger.info(
-                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s "
-                f"({self.step_seconds:.2f}s/step): raising τ to {raised}"
-            )
-            self.tau = raised
-        elif not self._warned:
-            self._warned = True
-            logger.warning(
-                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s, and τ cannot grow "
-                f"past H/P − 1 = {self.max_tau}: more fragments per module, a smaller codec or a faster "
-                "link would hide them"
-            )
-
-
 class StreamingOuter:
     """Starts each fragment's round at its offset and applies it τ steps later, for every module."""
 
@@ -205,13 +154,15 @@ class StreamingOuter:
         totals: SyncTotals | None = None,
         copies: ReportedCopies | None = None,
         dial_budget: DialBudget | None = None,
+        overlap: OverlapTuner | None = None,
     ):
         """`runner` runs the rounds, and its codec encodes our outer gradients (None: this peer holds
         its modules alone, every round is its own Δ); `group_of(module, round)` gives this peer's
         planned subgroup of the module's holders (None: all holders average together); `round_of()`
         the swarm's round, which rotates them; `totals` carries on the counts of the path this peer
         rotated away from; `copies` keeps the copy each round reports, for members that merge;
-        `dial_budget` how many holders never heard from its rounds dial per second."""
+        `dial_budget` how many holders never heard from its rounds dial per second; `overlap` carries
+        on the τ of the path this peer rotated away from (the same machine, link and schedule)."""
         self.syncs = syncs
         self.runner = runner
         self.copies = copies
@@ -229,7 +180,7 @@ class StreamingOuter:
         self.pending: list[PendingSync] = []
         self._tokens_at_sync = [0] * manifest.sync.fragments
         self.totals = totals if totals is not None else SyncTotals()
-        self.overlap = OverlapTuner(self.sync.overlap_steps, manifest.sync.inner_steps, self.sync.fragments)
+        self.overlap = overlap or OverlapTuner(self.sync.overlap_steps, self.inner_steps, self.sync.fragments)
         #: until our first fragment sync after we took a run's rounds in progress (`align`: a resume, a
         #: download, a move): our schedule is at a round's first step, the other holders may be most of
         #: the way through it (`_join_the_group`). A new swarm's peers start together (its barrier).
@@ -248,6 +199,8 @@ class StreamingOuter:
         """Advances the schedule by one inner step and starts the syncs due now; returns each started
         (module, fragment, digest of the copy its round reports)."""
         self.overlap.step_ended()
+        if any(p.held_since is not None for p in self.pending):
+            return []  # a round past its due step is still running: the schedule waits, training not
         self.clock += 1
         if self.joining:
             self._join_the_group(holders)
@@ -292,8 +245,25 @@ class StreamingOuter:
                 return
 
     def due(self) -> list[PendingSync]:
-        """The syncs whose τ ran out, taken off the schedule (the caller collects and applies them)."""
-        done = [p for p in self.pending if p.due_step <= self.clock]
+        """The syncs whose τ ran out, taken off the schedule (the caller collects and applies them).
+
+        With τ > 0 and α > 0 a round still running at its due step is held, not waited for: the
+        loop trains on and `tick` keeps the schedule where it is, so that no later round starts
+        before this one is applied. The round waits for slower members' parts; our steps meanwhile
+        stay in the local model (α of it at the merge) and go into our next Δ and its weight, where
+        they would have been idle seconds. A hold ends when the round does, or after the averaging
+        timeout (then `collect` waits). τ = 0 is blocking DiLoCo by choice, and with α = 0 the merge
+        would drop the extra steps: both wait."""
+        holds = self.sync.overlap_steps > 0 and self.sync.mixing_alpha > 0
+        now, done = time.monotonic(), []
+        for p in self.pending:
+            if p.due_step > self.clock:
+                continue
+            if holds and not p.finished():
+                p.held_since = now if p.held_since is None else p.held_since
+                if now - p.held_since < self.sync.averaging_timeout_seconds:
+                    continue
+            done.append(p)
         self.pending = [p for p in self.pending if p not in done]
         self.overlap.step_started()
         return done
@@ -381,7 +351,8 @@ class StreamingOuter:
         """Each module's round result (its own Δ, "failed", where the round did not finish in time)."""
         # the round's own deadlines bound it; this is a last resort against a wedged event loop
         limit = self.sync.averaging_timeout_seconds + 2 * self.sync.report_timeout_seconds + 30
-        waiting_since = time.monotonic()
+        # the hold counts as waiting: τ grows so that the round fits in it next time (`OverlapTuner`)
+        waiting_since = pending.held_since if pending.held_since is not None else time.monotonic()
         for mid, future in pending.futures.items():
             try:
                 pending.results[mid] = future.result(timeout=limit)

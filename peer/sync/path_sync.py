@@ -74,7 +74,7 @@ class PathSync:
         kept: PathSync | None = None,
     ):
         """`kept`: the sync layer of the path this peer rotates away from; the modules both paths
-        share keep their state (global copy, momentum, rounds) and its totals carry on."""
+        share keep their state (global copy, momentum, rounds), its totals and τ carry on."""
         self.manifest = manifest
         self.peer_id = peer_id
         self.metrics = metrics
@@ -95,6 +95,7 @@ class PathSync:
         #: the outer loop, built by `start` with the round runner
         self.outer: StreamingOuter | None = None
         self._totals = kept.totals if kept is not None else SyncTotals()
+        self._overlap = kept.outer.overlap if kept is not None and kept.outer is not None else None
         self._tokens_total = 0
         sync = manifest.sync
         # long enough for every member of a round to download the copy we reported in it
@@ -174,7 +175,7 @@ class PathSync:
         runner = RoundRunner(self.service, codec, settings, sent)
         self.outer = StreamingOuter(
             self.syncs, self.manifest, self.peer_id, self.metrics, runner, self._group_of, self._round_of,
-            self._totals, self.copies,
+            self._totals, self.copies, overlap=self._overlap,
         )  # fmt: skip
         self.outer.reset_tokens(self._tokens_total)
         self.align()

@@ -1,0 +1,65 @@
+"""τ, the inner steps a fragment's round may overlap, as each peer measures it (`OverlapTuner`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class OverlapTuner:
+    """τ from measured sync time: when fragment syncs keep outlasting the τ steps meant to hide them,
+    τ is raised as far as the schedule allows (τ < H/P: a fragment's sync must be applied before the
+    next fragment's starts). τ only changes when the run overlaps at all (τ > 0 in the manifest):
+    τ = 0 is blocking DiLoCo by choice. Holders may differ in τ: it only moves when each merges the
+    same θ̃ into its own local model, never what the group averages."""
+
+    #: syncs in a row that must outlast τ before it is raised (one slow sync is not a trend)
+    LATE_SYNCS = 2
+
+    def __init__(self, tau: int, inner_steps: int, fragments: int):
+        self.tau = tau
+        self.max_tau = max(0, inner_steps // fragments - 1)
+        self.step_seconds: float | None = None
+        self._started: float | None = None
+        self._late = 0
+        self._warned = False
+
+    def step_started(self) -> None:
+        self._started = time.monotonic()
+
+    def step_ended(self) -> None:
+        """One inner step's compute time (syncs excluded), smoothed."""
+        if self._started is None:
+            return
+        dt = time.monotonic() - self._started
+        self.step_seconds = dt if self.step_seconds is None else 0.8 * self.step_seconds + 0.2 * dt
+
+    def sync_waited(self, seconds: float) -> None:
+        """The loop waited `seconds` for a sync that was due: τ steps did not hide it."""
+        if self.tau == 0 or not self.step_seconds:
+            return
+        if seconds < 0.25 * self.step_seconds:
+            self._late = 0
+            return
+        self._late += 1
+        if self._late < self.LATE_SYNCS:
+            return
+        self._late = 0
+        wanted = self.tau + math.ceil(seconds / self.step_seconds)
+        if self.tau < self.max_tau:
+            raised = min(self.max_tau, wanted)
+            logger.info(
+                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s "
+                f"({self.step_seconds:.2f}s/step): raising τ to {raised}"
+            )
+            self.tau = raised
+        elif not self._warned:
+            self._warned = True
+            logger.warning(
+                f"fragment syncs outlast τ = {self.tau} steps by {seconds:.2f}s, and τ cannot grow "
+                f"past H/P − 1 = {self.max_tau}: more fragments per module, a smaller codec or a faster "
+                "link would hide them"
+            )

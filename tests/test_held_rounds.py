@@ -1,0 +1,148 @@
+"""A round still running at its due step (its other members are slower) is trained through, not
+waited for, when the run overlaps (τ > 0, α > 0); the schedule holds until the round ends."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from monitoring.metrics import PeerMetrics
+from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
+from peer.model.grid import ModelConfig
+from peer.model.transformer import PathModel
+from peer.sync.module_sync import ModuleSync
+from peer.sync.outer import StreamingOuter
+from peer.sync.path_sync import PathSync
+from tests.sync_members import MODULE, advance, sync_group
+
+pytestmark = pytest.mark.swarm
+
+CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
+H, TAU = 8, 2
+TOKENS_PER_STEP = 100
+
+
+def _loops(members, tau: int, alpha: float) -> tuple[list[StreamingOuter], list[ModuleSync]]:
+    sync = SyncConfig(
+        inner_steps=H, overlap_steps=tau, mixing_alpha=alpha, codec="fp32", aggregator="mean",
+        averaging_timeout_seconds=10.0,
+    )  # fmt: skip
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig(lr=0.7))
+    base = PathModel(CFG, (0, 0), seed=5)
+    syncs = [ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], manifest.outer, 1) for _ in members]
+    loops = [
+        StreamingOuter({MODULE: ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "test"), m.runner)
+        for m, ms in zip(members, syncs, strict=True)
+    ]
+    return loops, syncs
+
+
+class Holder:
+    """One member's training loop: its `StreamingOuter`, its module, and the tokens it trained."""
+
+    def __init__(self, loop: StreamingOuter, ms: ModuleSync, gen: torch.Generator, holders: dict):
+        self.loop, self.ms, self.gen, self.holders = loop, ms, gen, holders
+        self.tokens = 0
+
+    def step(self) -> float:
+        """One inner step (a small random change of the local model) and the loop's part of it, as
+        `PathSync.after_step` drives it; the seconds it took."""
+        with torch.no_grad():
+            for p in self.ms.local_params:
+                p.add_(torch.randn(p.shape, generator=self.gen) * 1e-3)
+        began = time.monotonic()
+        self.tokens += TOKENS_PER_STEP
+        advance(self.loop, self.tokens, self.holders)
+        return time.monotonic() - began
+
+
+@contextmanager
+def _pair(dht_factory, tau: int, alpha: float, seed: int) -> Iterator[list[Holder]]:
+    """Two holders of one module, each with a real DHT node, sync service and round runner."""
+    numel = ModuleSync(CFG, MODULE, PathModel(CFG, (0, 0), seed=5).parts[MODULE], OuterOptimizerConfig(), 1)
+    with sync_group(dht_factory, 2, numel.fragment_size(0)) as members:
+        holders = {MODULE: [m.peer_id for m in members]}
+        loops, syncs = _loops(members, tau, alpha)
+        gen = torch.Generator().manual_seed(seed)
+        yield [Holder(loop, ms, gen, holders) for loop, ms in zip(loops, syncs, strict=True)]
+
+
+@pytest.mark.timeout(120)
+def test_a_round_late_at_its_due_step_is_trained_through_and_the_schedule_holds_until_it_ends(dht_factory):
+    with _pair(dht_factory, TAU, 0.5, seed=3) as (fast, slow):
+        # the round starts at step H and is due at H + τ; the slow member is not there yet
+        for _ in range(H + TAU):
+            fast.step()
+        assert fast.loop.clock == H + TAU and len(fast.loop.pending) == 1
+        assert fast.loop.pending[0].held_since is not None
+        # five more steps, none of them waiting for the round; the schedule stays where it was
+        took = [fast.step() for _ in range(5)]
+        assert max(took) < 1.0, took
+        assert fast.loop.clock == H + TAU and len(fast.loop.pending) == 1 and fast.ms.fragment_rounds == [0]
+        for _ in range(H + TAU):  # the slow member reaches the round, and its due step
+            slow.step()
+        deadline = time.monotonic() + 30
+        while [0] in (fast.ms.fragment_rounds, slow.ms.fragment_rounds) and time.monotonic() < deadline:
+            for holder in (fast, slow):  # each trains on until the round's result is in, then applies it
+                if holder.ms.fragment_rounds == [0]:
+                    holder.step()
+        assert fast.ms.fragment_rounds == slow.ms.fragment_rounds == [1] and not fast.loop.pending
+        assert torch.equal(fast.ms.global_flats[0], slow.ms.global_flats[0])
+        assert fast.ms.digest(0) == slow.ms.digest(0)
+        held_steps = fast.tokens // TOKENS_PER_STEP - (H + TAU)
+        assert held_steps >= 5
+        clock = fast.loop.clock
+        fast.step()
+        assert fast.loop.clock == clock + 1  # the schedule moves again
+        while not fast.loop.pending:  # the next round: its weight counts the steps made while held
+            fast.step()
+        assert fast.loop.pending[0].weight == (H + held_steps) * TOKENS_PER_STEP
+        advance(fast.loop, 0, {MODULE: [fast.loop.peer_id]}, drain=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("tau", "alpha"), [(0, 0.0), (TAU, 0.0)])
+def test_blocking_or_alpha_zero_runs_wait_for_a_late_round_at_its_due_step(dht_factory, tau, alpha):
+    """τ = 0 is DiLoCo by choice, and with α = 0 the merge would drop steps made while held: the due
+    round is handed to `collect`, which waits for it."""
+    with _pair(dht_factory, tau, alpha, seed=4) as (fast, slow):
+        for _ in range(H + tau - 1):
+            fast.step()
+        fast.loop.tick(fast.tokens + TOKENS_PER_STEP, fast.holders)  # the due step, by hand: no collect yet
+        due = fast.loop.due()
+        assert len(due) == 1 and due[0].held_since is None and not due[0].finished()
+        for _ in range(H + tau):
+            slow.step()
+        for mid, result in fast.loop.collect(due[0]).items():
+            fast.loop.apply(due[0], mid, result)
+        assert fast.ms.fragment_rounds == slow.ms.fragment_rounds == [1]
+        assert torch.equal(fast.ms.global_flats[0], slow.ms.global_flats[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_moves_to_another_path_keeps_the_overlap_its_syncs_raised(dht_factory):
+    """τ is measured on this machine and link, which a rotation does not change: the new path's
+    outer loop starts from the τ the old one raised, not from the manifest's (which then had to be
+    raised again over two late syncs after every move)."""
+    sync = SyncConfig(inner_steps=H, overlap_steps=1, codec="fp32")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
+    dht, key = dht_factory()
+    peer_id = str(dht.peer_id)
+    metrics = PeerMetrics("t", peer_id, "0", "test")
+    old = PathSync(manifest, PathModel(CFG, (0, 0), seed=1), peer_id, metrics)
+    old.start(dht, lambda peer, module: True, key=key)
+    try:
+        old.outer.overlap.tau = 5  # raised by late syncs on the old path
+        new = PathSync(manifest, PathModel(CFG, (0, 1), seed=1), peer_id, metrics, kept=old)
+        new.start(dht, lambda peer, module: True, service=old.service, key=key)
+        assert new.outer.overlap.tau == 5 and new.outer.overlap is old.outer.overlap
+        fresh = PathSync(manifest, PathModel(CFG, (1, 1), seed=1), peer_id, metrics)
+        fresh.start(dht, lambda peer, module: True, service=old.service, key=key)
+        assert fresh.outer.overlap.tau == 1  # a peer's first path: the manifest's τ
+    finally:
+        old.shutdown()
