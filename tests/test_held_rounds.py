@@ -1,5 +1,6 @@
 """A round still running at its due step (its other members are slower) is trained through, not
-waited for, when the run overlaps (τ > 0, α > 0); the schedule holds until the round ends."""
+waited for, when the run overlaps (τ > 0, α > 0), for at most H/P steps; the schedule holds until it
+ends. τ a peer raised carries over a rotation."""
 
 from __future__ import annotations
 
@@ -73,35 +74,38 @@ def _pair(dht_factory, tau: int, alpha: float, seed: int) -> Iterator[list[Holde
 
 
 @pytest.mark.timeout(120)
-def test_a_round_late_at_its_due_step_is_trained_through_and_the_schedule_holds_until_it_ends(dht_factory):
+def test_a_late_round_is_trained_through_for_up_to_h_over_p_steps_while_the_schedule_holds(dht_factory):
     with _pair(dht_factory, TAU, 0.5, seed=3) as (fast, slow):
         # the round starts at step H and is due at H + τ; the slow member is not there yet
         for _ in range(H + TAU):
             fast.step()
         assert fast.loop.clock == H + TAU and len(fast.loop.pending) == 1
         assert fast.loop.pending[0].held_since is not None
-        # five more steps, none of them waiting for the round; the schedule stays where it was
-        took = [fast.step() for _ in range(5)]
+        # H/P − 1 more steps, none of them waiting for the round; the schedule stays where it was
+        took = [fast.step() for _ in range(H - 1)]
         assert max(took) < 1.0, took
         assert fast.loop.clock == H + TAU and len(fast.loop.pending) == 1 and fast.ms.fragment_rounds == [0]
+        # the H/P-th held step (by hand, so that nothing collects yet): the hold is over, the round due
+        fast.tokens += TOKENS_PER_STEP
+        fast.loop.tick(fast.tokens, fast.holders)
+        due = fast.loop.due()
+        assert len(due) == 1 and not due[0].finished() and due[0].held_steps == H + 1
         for _ in range(H + TAU):  # the slow member reaches the round, and its due step
             slow.step()
+        for mid, result in fast.loop.collect(due[0]).items():  # waits for the round's end
+            fast.loop.apply(due[0], mid, result)
         deadline = time.monotonic() + 30
-        while [0] in (fast.ms.fragment_rounds, slow.ms.fragment_rounds) and time.monotonic() < deadline:
-            for holder in (fast, slow):  # each trains on until the round's result is in, then applies it
-                if holder.ms.fragment_rounds == [0]:
-                    holder.step()
+        while slow.ms.fragment_rounds == [0] and time.monotonic() < deadline:
+            slow.step()  # trained on until the round's result is in, then applied
         assert fast.ms.fragment_rounds == slow.ms.fragment_rounds == [1] and not fast.loop.pending
         assert torch.equal(fast.ms.global_flats[0], slow.ms.global_flats[0])
         assert fast.ms.digest(0) == slow.ms.digest(0)
-        held_steps = fast.tokens // TOKENS_PER_STEP - (H + TAU)
-        assert held_steps >= 5
         clock = fast.loop.clock
         fast.step()
         assert fast.loop.clock == clock + 1  # the schedule moves again
         while not fast.loop.pending:  # the next round: its weight counts the steps made while held
             fast.step()
-        assert fast.loop.pending[0].weight == (H + held_steps) * TOKENS_PER_STEP
+        assert fast.loop.pending[0].weight == 2 * H * TOKENS_PER_STEP  # a round's H steps and H/P held
         advance(fast.loop, 0, {MODULE: [fast.loop.peer_id]}, drain=True)
 
 

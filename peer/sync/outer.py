@@ -72,6 +72,7 @@ class PendingSync:
     prepared: dict[str, Future] = field(default_factory=dict)
     #: when the loop reached `due_step` with the round still running and trained on (`StreamingOuter.due`)
     held_since: float | None = None
+    held_steps: int = 0
 
     def finished(self) -> bool:
         return all(f.done() for f in self.futures.values())
@@ -251,17 +252,21 @@ class StreamingOuter:
         loop trains on and `tick` keeps the schedule where it is, so that no later round starts
         before this one is applied. The round waits for slower members' parts; our steps meanwhile
         stay in the local model (α of it at the merge) and go into our next Δ and its weight, where
-        they would have been idle seconds. A hold ends when the round does, or after the averaging
-        timeout (then `collect` waits). τ = 0 is blocking DiLoCo by choice, and with α = 0 the merge
-        would drop the extra steps: both wait."""
+        they would have been idle seconds. A hold ends when the round does, after H/P steps (a round
+        whose members died waits seconds for them: our next Δ carries at most twice the steps of a
+        round, not hundreds that drift from the group), or after the averaging timeout; then
+        `collect` waits. τ = 0 is blocking DiLoCo by choice, and with α = 0 the merge would drop the
+        extra steps: both wait."""
         holds = self.sync.overlap_steps > 0 and self.sync.mixing_alpha > 0
+        most = self.inner_steps // self.sync.fragments
         now, done = time.monotonic(), []
         for p in self.pending:
             if p.due_step > self.clock:
                 continue
             if holds and not p.finished():
                 p.held_since = now if p.held_since is None else p.held_since
-                if now - p.held_since < self.sync.averaging_timeout_seconds:
+                p.held_steps += 1
+                if p.held_steps <= most and now - p.held_since < self.sync.averaging_timeout_seconds:
                     continue
             done.append(p)
         self.pending = [p for p in self.pending if p not in done]
