@@ -4,7 +4,8 @@ protocol on hivemind's P2P streams — framing with caps (`wire`), the bounded i
 service (`service`), one round without matchmaking (`rounds`), rounds sent already that are sat out,
 never signed twice (`sent_rounds`, `sitting_out`), state download with confirmation
 (`state_transfer`), a joiner's first rounds (`settling`), a lone lineage yielding to the others'
-(`strays`) — the Streaming DiLoCo outer loop (`outer`), and a peer's sync layer (`path_sync`).
+(`strays`) — the Streaming DiLoCo outer loop (`outer`) and its measured overlap τ (`overlap`), and a
+peer's sync layer (`path_sync`).
 
 May import: the leaves, `dht`, `monitoring`, `peer.model`, `peer.config`. Not `peer.swarm`: what the
 sync layer needs from the swarm's view (holders, donors, planned groups) is handed in.
