@@ -65,8 +65,9 @@ class Holder:
 @contextmanager
 def _pair(dht_factory, tau: int, alpha: float, seed: int) -> Iterator[list[Holder]]:
     """Two holders of one module, each with a real DHT node, sync service and round runner."""
-    numel = ModuleSync(CFG, MODULE, PathModel(CFG, (0, 0), seed=5).parts[MODULE], OuterOptimizerConfig(), 1)
-    with sync_group(dht_factory, 2, numel.fragment_size(0)) as members:
+    module = PathModel(CFG, (0, 0), seed=5).parts[MODULE]
+    numel = ModuleSync(CFG, MODULE, module, OuterOptimizerConfig(), 1).fragment_size(0)
+    with sync_group(dht_factory, 2, numel) as members:
         holders = {MODULE: [m.peer_id for m in members]}
         loops, syncs = _loops(members, tau, alpha)
         gen = torch.Generator().manual_seed(seed)
