@@ -167,6 +167,14 @@ class Inbox:
         recent = dict(self.active.get(module, {})).items()
         return [p for p, t in recent if now - t <= within_seconds and self.is_holder(p, module)]
 
+    def served_state(self, module: str, peers: Iterable[str]) -> None:
+        """`peers` sent us `module`'s state and we loaded it: they hold it as surely as a part of it
+        would say, so they count as heard from for it (`unproven`). A peer that just moved onto the
+        module has had no part of it yet; without this its first rounds left out the very holder it
+        downloaded from (under the unproven holders' budget) and applied their own Δ beside its."""
+        for peer in peers:
+            self.active.setdefault(module, {})[peer] = time.monotonic()
+
     def unproven(self, peers: Iterable[str], within_seconds: float, module: str | None = None) -> list[str]:
         """Which of `peers` (holders by their claims) neither have standing nor offered us a part (of
         `module`, or of any module) lately: a claim costs a free key nothing, so nothing yet says they

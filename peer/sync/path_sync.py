@@ -149,14 +149,8 @@ class PathSync:
         codec = make_codec(sync.codec)
         sizes = {mid: [ms.fragment_size(f) for f in range(ms.n_fragments)] for mid, ms in self.syncs.items()}
         if service is None:
-            inbox = Inbox(
-                sizes,
-                codec,
-                is_holder,
-                max_senders=sync.max_round_senders,
-                max_delta_norm=sync.max_delta_norm,
-                standing=standing,
-            )
+            inbox = Inbox(sizes, codec, is_holder, max_senders=sync.max_round_senders,
+                          max_delta_norm=sync.max_delta_norm, standing=standing)  # fmt: skip
             service = SyncService(
                 dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30, key=key
             )
@@ -412,6 +406,7 @@ class PathSync:
             self.metrics.bad_part("shape")
             return False
         self._track(ms)
+        self.service.loop.call_soon_threadsafe(self.service.inbox.served_state, ms.module_id, sources)
         return True
 
     def fingerprints(self) -> dict[str, str]:

@@ -1,0 +1,51 @@
+"""A peer that moved onto a module and loaded its state from a holder averages its next round of it
+with that holder, also in an open run where neither has standing (`Inbox.served_state`): before,
+the holder fell under the unproven holders' budget and both applied their own Δ (a split copy)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from monitoring.metrics import PeerMetrics
+from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
+from peer.model.grid import TRUNK, ModelConfig
+from peer.model.transformer import PathModel
+from peer.sync.path_sync import PathSync
+
+pytestmark = pytest.mark.swarm
+
+CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
+
+
+@pytest.mark.timeout(120)
+def test_the_holder_a_mover_loaded_a_module_from_is_a_member_of_its_next_round_of_it(dht_factory):
+    sync = SyncConfig(inner_steps=8, codec="fp32")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
+    syncs: list[PathSync] = []
+    try:
+        for seed in (1, 2):
+            dht, key = dht_factory()
+            peer_id = str(dht.peer_id)
+            metrics = PeerMetrics("t", peer_id, "0", "t")
+            ps = PathSync(manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, metrics)
+            ps.start(dht, lambda peer, module: True, key=key)
+            syncs.append(ps)
+        mover, holder = syncs
+        holders = {TRUNK: [holder.peer_id]}
+        # on probation and never heard from for this module, and one of our rounds failed to reach it
+        # lately (a round while it was moving, say): our rounds leave it out for now
+        mover.service.inbox.unreachable(holder.peer_id)
+        assert mover.outer.members_of(TRUNK, holders) == [mover.peer_id]
+        assert mover.fetch_state(mover.syncs[TRUNK], [holder.peer_id])
+        assert mover.syncs[TRUNK].module_digest() == holder.syncs[TRUNK].module_digest()
+        deadline = time.monotonic() + 10  # noted on the sync service's event loop
+        while holder.peer_id not in mover.outer.members_of(TRUNK, holders) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mover.outer.members_of(TRUNK, holders) == sorted([mover.peer_id, holder.peer_id])
+        # only for the module it served: another module's rounds still leave it to the budget
+        assert mover.service.inbox.unproven([holder.peer_id], 60, "l0m0") == [holder.peer_id]
+    finally:
+        for ps in syncs:
+            ps.shutdown()
