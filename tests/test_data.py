@@ -13,8 +13,17 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from peer.data import corpus
 from peer.data.batches import PathBatches, encode_document, shard_documents
-from peer.data.corpus import DOMAINS, MAX_CHARS, MIN_CHARS, generate_documents, write_corpus
+from peer.data.corpus import (
+    DOMAINS,
+    MAX_CHARS,
+    MIN_CHARS,
+    generate_document,
+    generate_documents,
+    iter_documents,
+    write_corpus,
+)
 from peer.data.sources import DatasetSpec, eval_documents, load_documents, split_of
 from peer.errors import ConfigError
 from peer.model.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
@@ -161,6 +170,28 @@ def test_dataset_spec_frozen():
 def test_builtin_documents():
     spec = DatasetSpec(builtin_docs=30, seed=2)
     assert list(load_documents(spec)) == [d["text"] for d in generate_documents(30, 2)]
+
+
+def test_builtin_documents_read_again_interleaved_or_edited_by_a_caller_are_the_same(monkeypatch):
+    # generated as read and kept for later readers: those must see the same documents in order
+    seed = 987_654  # a seed no other test reads, so that this one's readers are the first
+    want = [generate_document(i, seed)["text"] for i in range(25)]
+    a, b = (
+        iter(load_documents(DatasetSpec(builtin_docs=25, seed=seed))),
+        iter(load_documents(DatasetSpec(builtin_docs=25, seed=seed))),
+    )
+    got_a, got_b = [next(a) for _ in range(10)], [next(b) for _ in range(20)]
+    got_a += list(a)
+    assert got_a == want and got_b + list(b) == want
+    generate_documents(25, seed)[3]["text"] = "edited"
+    assert list(load_documents(DatasetSpec(builtin_docs=25, seed=seed))) == want
+    monkeypatch.setattr(corpus, "KEPT_DOCUMENTS", 5)  # past the cap documents are made again
+    assert [d["text"] for d in iter_documents(40, seed + 1)] == [
+        generate_document(i, seed + 1)["text"] for i in range(40)
+    ]
+    assert [d["text"] for d in iter_documents(40, seed + 1)] == [
+        generate_document(i, seed + 1)["text"] for i in range(40)
+    ]
 
 
 def test_local_files_load(tmp_path):

@@ -1,12 +1,16 @@
 """A peer's data across its moves (`PathData`): a path it comes back to goes on where its stream
-stopped, a new router version starts the stream again, and only the latest few streams are kept."""
+stopped, a new router version starts the stream again, only the latest few streams are kept, and a
+path visited for the first time routes only what no earlier pass read."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from peer.data.batches import PathBatches
+from peer.data.batches import PathBatches, encode_document
+from peer.data.routed import RoutedDocuments
 from peer.data.sources import load_documents
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
@@ -61,3 +65,46 @@ def test_a_new_route_starts_the_paths_stream_again_and_only_the_latest_streams_a
     take(data.batches(2, route, [], step=9), 1)  # path 0's stream, the least recent, is dropped
     restarted = take(data.batches(0, route, [], step=10), 1)[0]
     assert torch.equal(restarted, take(fresh_stream(manifest, tokenizer, route, 0, step=10), 1)[0])
+
+
+def counting(route, calls: list[int]):
+    """`route`, counting the documents it is asked to route."""
+
+    def counted(token_lists):
+        calls.append(len(token_lists))
+        return route(token_lists)
+
+    return counted
+
+
+def test_a_path_visited_first_routes_only_documents_no_earlier_pass_read_and_trains_on_the_same(run):
+    manifest, tokenizer, route = run
+    calls: list[int] = []
+    route = counting(route, calls)
+    data = PathData(manifest, tokenizer, 4, None, "me")
+    first = data.batches(0, route, [], step=0)
+    while data._streams[0].epoch == 0:  # path 0's whole first pass: every document routed once
+        next(first)
+    read = sum(calls)
+    assert read > 0
+    moved = take(data.batches(1, route, [], step=9), 5)
+    assert sum(calls) == read  # before, a move to a path not visited yet routed the corpus again
+    reference = take(fresh_stream(manifest, tokenizer, route, 1, step=9), 5)
+    for got, want in zip(moved, reference, strict=True):
+        assert torch.equal(got, want)
+    assert sum(calls) > read  # the fresh stream, on its own, routes what its batches need
+
+
+def test_a_document_that_changed_at_its_position_is_routed_again(run):
+    manifest, tokenizer, route = run
+    calls: list[int] = []
+    routed = RoutedDocuments(counting(route, calls), eval_fraction=0.0)
+    texts = [d for _, d in zip(range(40), load_documents(manifest.dataset), strict=False)]
+    encode = functools.partial(encode_document, tokenizer)
+    before = routed.paths(0, texts, encode, wanted=1)
+    assert sum(calls) == 40 and [t is not None for _, t in before] == [p == 1 for p, _ in before]
+    changed = [*texts[:7], texts[30], *texts[8:]]  # position 7 holds another document now
+    after = routed.paths(0, changed, encode, wanted=1)
+    assert sum(calls) == 41
+    assert after[7][0] == before[30][0] and [p for p, _ in after[8:]] == [p for p, _ in before[8:]]
+    assert all(t == encode(changed[i]) for i, (p, t) in enumerate(after) if p == 1)

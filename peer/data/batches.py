@@ -7,13 +7,14 @@ data.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from peer.data.sources import split_of
+from peer.data.routed import RoutedDocuments
 from peer.errors import ConfigError
 from peer.model.route import ROUTE_CHUNK, Route, route_documents
 from peer.model.tokenizer import Tokenizer
@@ -52,9 +53,10 @@ def shard_documents(
 class PathBatches:
     """Endless (batch_size, seq_len + 1) int64 batches from the training documents routed to one path.
 
-    Documents are read once: the first pass routes them `chunk_size` at a time and keeps this path's
-    token ids (its shard only, about 1/n_paths of the data); later epochs replay that cache in a new
-    seeded order. Documents (BOS + tokens + EOS) are packed end to end and cut into windows with a
+    Documents are read once: the first pass routes them `chunk_size` at a time (those that another
+    pass sharing `routed` has routed already are looked up instead) and keeps this path's token ids
+    (its shard only, about 1/n_paths of the data); later epochs replay that cache in a new seeded
+    order. Documents (BOS + tokens + EOS) are packed end to end and cut into windows with a
     stride of seq_len, so every token is a target exactly once; windows pass through a seeded shuffle
     buffer. `tokens_yielded` counts predicted positions, batch_size * seq_len per batch.
     """
@@ -71,7 +73,10 @@ class PathBatches:
         eval_fraction: float = 0.05,
         chunk_size: int = ROUTE_CHUNK,
         shuffle_buffer: int = 1024,
+        routed: RoutedDocuments | None = None,
     ):
+        """`routed`: what other passes over the same documents with the same route found out (a
+        peer's streams share one); None: a pass of its own."""
         if seq_len < 1 or batch_size < 1 or chunk_size < 1 or shuffle_buffer < 1:
             raise ValueError("seq_len, batch_size, chunk_size and shuffle_buffer must all be >= 1")
         self.documents = documents
@@ -84,6 +89,11 @@ class PathBatches:
         self.eval_fraction = eval_fraction
         self.chunk_size = chunk_size
         self.shuffle_buffer = shuffle_buffer
+        if routed is None:
+            routed = RoutedDocuments(route, eval_fraction, chunk_size)
+        elif routed.route is not route or routed.eval_fraction != eval_fraction:
+            raise ValueError("the routed documents given are of another route or eval split")
+        self.routed = routed
         self.tokens_yielded = 0
         self.batches_yielded = 0
         self.docs_seen = 0  # documents read in the first pass, every split and path
@@ -104,14 +114,9 @@ class PathBatches:
     def _first_pass(self) -> Iterator[np.ndarray]:
         dtype = np.int32 if self.tokenizer.vocab_size < 2**31 else np.int64
         for chunk in _chunks(self.documents, self.chunk_size):
-            self.docs_seen += len(chunk)
-            train = [t for t in chunk if split_of(t, self.eval_fraction) == "train"]
-            if not train:
-                continue
-            token_lists = [encode_document(self.tokenizer, t) for t in train]
-            for tokens, path in zip(
-                token_lists, route_documents(self.route, token_lists, self.chunk_size), strict=True
-            ):
+            start, self.docs_seen = self.docs_seen, self.docs_seen + len(chunk)
+            encode = functools.partial(encode_document, self.tokenizer)
+            for path, tokens in self.routed.paths(start, chunk, encode, wanted=self.path_index):
                 if path == self.path_index:
                     doc = np.asarray(tokens, dtype=dtype)
                     self._cache.append(doc)

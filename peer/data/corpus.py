@@ -11,9 +11,11 @@ is stable across processes and platforms: the same seed always gives byte-identi
 
 from __future__ import annotations
 
+import functools
 import json
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -217,9 +219,37 @@ def generate_document(index: int, seed: int) -> dict[str, str]:
 
 def generate_documents(n_docs: int, seed: int) -> list[dict[str, str]]:
     """`n_docs` documents {"text", "domain"}; a prefix of a longer call gives the same documents."""
+    return [dict(d) for d in iter_documents(n_docs, seed)]  # copies: a caller's edit stays its own
+
+
+_made_lock = threading.Lock()
+#: the most documents of one seed kept in a process (about 0.8 kB each): a peer reads its corpus
+#: again at every path it moves to, and generating it is most of what that read costs
+KEPT_DOCUMENTS = 100_000
+
+
+@functools.lru_cache(maxsize=4)
+def _kept(seed: int) -> list[dict[str, str]]:
+    return []
+
+
+def iter_documents(n_docs: int, seed: int) -> Iterator[dict[str, str]]:
+    """The documents of `generate_documents(n_docs, seed)`, made as they are read (a reader that
+    stops early makes only what it read) and kept for the process's later readers, up to
+    `KEPT_DOCUMENTS` of each seed (the last four seeds read). The dicts are shared: read, never edit."""
     if n_docs < 0:
         raise ValueError(f"n_docs must be >= 0, got {n_docs}")
-    return [generate_document(i, seed) for i in range(n_docs)]
+    made = _kept(seed)
+    for i in range(n_docs):
+        if i < len(made):
+            yield made[i]
+            continue
+        doc = generate_document(i, seed)
+        # readers in other threads may have made it meanwhile: keep one copy, in order
+        with _made_lock:
+            if len(made) == i and i < KEPT_DOCUMENTS:
+                made.append(doc)
+        yield doc
 
 
 def write_corpus(

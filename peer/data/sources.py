@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from peer.artifacts.ref import ArtifactRef
 from peer.artifacts.store import require_artifact
-from peer.data.corpus import generate_documents
+from peer.data.corpus import iter_documents
 from peer.data.files import FileFingerprint, check_formats
 from peer.errors import ConfigError
 
@@ -128,7 +128,7 @@ def load_documents(
     right away (errors surface here, not at the first batch); a hub dataset is streamed lazily.
     `root` and `shard_folders`: see `local_files`."""
     if spec.kind == "builtin":  # without `datasets`: its import is a second and a half of every start
-        return _texts(generate_documents(spec.builtin_docs, spec.seed), "text")
+        return _texts(iter_documents(spec.builtin_docs, spec.seed), "text")
     import datasets  # heavy import, kept off the path of modules that only need DatasetSpec
 
     if spec.kind == "hub":

@@ -9,6 +9,10 @@ beginnings of their shards. Kept per path, a visit continues the same stream: th
 on a path is one pass after another, whatever its moves. The streams of the `KEPT_PATHS` most
 recently trained paths are kept (each holds its shard's token ids, about 1/paths of the corpus);
 a new route (a router version) starts the stream of its path again.
+
+The streams share what their first passes found out about every document (`RoutedDocuments`): a
+path visited for the first time routes only the documents no earlier pass of this route has read,
+and encodes only its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from peer.config import RunManifest
 from peer.data.batches import PathBatches
+from peer.data.routed import RoutedDocuments
 from peer.data.sources import load_documents
 from peer.model.route import Route
 from peer.seeding import stable_seed
@@ -37,6 +42,7 @@ class PathData:
         self.manifest, self.tokenizer, self.batch_size = manifest, tokenizer, batch_size
         self.root, self.seed_of = root, seed_of
         self._streams: dict[int, PathBatches] = {}  # path index -> its stream, least recent first
+        self._routed: RoutedDocuments | None = None  # of the latest route a stream was made with
 
     def batches(
         self, index: int, route: Route, shard_folders: Sequence[Path], step: int
@@ -47,10 +53,13 @@ class PathData:
         stream = self._streams.pop(index, None)
         if stream is None or stream.route is not route:
             m = self.manifest
+            if self._routed is None or self._routed.route is not route:
+                self._routed = RoutedDocuments(route, m.dataset.eval_fraction)
             stream = PathBatches(
                 load_documents(m.dataset, root=self.root, shard_folders=shard_folders),
                 route, index, self.tokenizer, m.seq_len, self.batch_size,
                 seed=stable_seed(self.seed_of, step), eval_fraction=m.dataset.eval_fraction,
+                routed=self._routed,
             )  # fmt: skip
         self._streams[index] = stream
         while len(self._streams) > self.KEPT_PATHS:
