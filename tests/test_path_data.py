@@ -108,3 +108,14 @@ def test_a_document_that_changed_at_its_position_is_routed_again(run):
     assert sum(calls) == 41
     assert after[7][0] == before[30][0] and [p for p, _ in after[8:]] == [p for p, _ in before[8:]]
     assert all(t == encode(changed[i]) for i, (p, t) in enumerate(after) if p == 1)
+
+
+def test_documents_past_the_index_cap_are_routed_again_by_every_pass(run):
+    manifest, tokenizer, route = run
+    calls: list[int] = []
+    routed = RoutedDocuments(counting(route, calls), eval_fraction=0.0, max_documents=30)
+    texts = [d for _, d in zip(range(40), load_documents(manifest.dataset), strict=False)]
+    encode = functools.partial(encode_document, tokenizer)
+    first = routed.paths(0, texts, encode, wanted=0)
+    assert len(routed) == 30 and sum(calls) == 40
+    assert routed.paths(0, texts, encode, wanted=0) == first and sum(calls) == 50

@@ -113,9 +113,9 @@ class PathBatches:
 
     def _first_pass(self) -> Iterator[np.ndarray]:
         dtype = np.int32 if self.tokenizer.vocab_size < 2**31 else np.int64
+        encode = functools.partial(encode_document, self.tokenizer)
         for chunk in _chunks(self.documents, self.chunk_size):
             start, self.docs_seen = self.docs_seen, self.docs_seen + len(chunk)
-            encode = functools.partial(encode_document, self.tokenizer)
             for path, tokens in self.routed.paths(start, chunk, encode, wanted=self.path_index):
                 if path == self.path_index:
                     doc = np.asarray(tokens, dtype=dtype)

@@ -19,15 +19,26 @@ from peer.model.route import ROUTE_CHUNK, Route, route_documents
 
 #: the path of a held-out document (never trained on, never routed)
 EVAL = -1
+#: documents an index records at most (12 bytes each): past them, of a corpus streamed from a hub
+#: that no peer reads to its end, every pass routes for itself again
+MAX_DOCUMENTS = 10_000_000
 
 
 class RoutedDocuments:
     """Per corpus position: the text's hash and its path (`EVAL` for the eval split), for one route.
 
-    Shared by a peer's path streams (peer/training/path_data.py); 12 bytes per document read."""
+    Shared by a peer's path streams (peer/training/path_data.py); 12 bytes per document read, for the
+    first `max_documents`."""
 
-    def __init__(self, route: Route, eval_fraction: float, chunk_size: int = ROUTE_CHUNK):
+    def __init__(
+        self,
+        route: Route,
+        eval_fraction: float,
+        chunk_size: int = ROUTE_CHUNK,
+        max_documents: int = MAX_DOCUMENTS,
+    ):
         self.route, self.eval_fraction, self.chunk_size = route, eval_fraction, chunk_size
+        self.max_documents = max_documents
         # Python's str hash: salted per process, which is where this index lives
         self._hashes = array("q")
         self._paths = array("i")
@@ -75,6 +86,6 @@ class RoutedDocuments:
                 position = start + i
                 if position < len(self._paths):  # the corpus changed here: the new text's path
                     self._hashes[position], self._paths[position] = h, path
-                elif position == len(self._paths):  # passes read in order: no gaps to fill
+                elif position == len(self._paths) < self.max_documents:  # passes read in order: no gaps
                     self._hashes.append(h)
                     self._paths.append(path)
