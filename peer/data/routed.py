@@ -43,7 +43,6 @@ class RoutedDocuments:
         self._hashes = array("q")
         self._paths = array("i")
         self._lock = threading.Lock()
-        self.routed = 0  # documents this index routed (for the tests and the logs)
 
     def __len__(self) -> int:
         return len(self._paths)
@@ -65,7 +64,6 @@ class RoutedDocuments:
         routed = route_documents(self.route, token_lists, self.chunk_size) if train else []
         for i, tokens, path in zip(train, token_lists, routed, strict=True):
             out[i] = (path, tokens if path == wanted else None)
-        self.routed += len(train)
         self._record(start, [(i, hashes[i], out[i][0]) for i in fresh])
         for i, (path, tokens) in enumerate(out):
             if path == wanted and tokens is None:
