@@ -27,19 +27,27 @@ def add(rsub) -> None:
 
 def cmd_invite(args: argparse.Namespace) -> int:
     from peer.run.record import load_verified_manifest
-    from peer.swarm.authority import code_digest, invites_path, new_invite_code, read_invites, write_invites
+    from peer.swarm.authority import (
+        code_digest,
+        invites_locked,
+        invites_path,
+        new_invite_code,
+        read_invites,
+        write_invites,
+    )
 
     if not 1 <= args.count <= 10_000:
         raise ConfigError("--count must be between 1 and 10000")
     manifest, _ = load_verified_manifest(args.manifest_path)
     path = invites_path(args.manifest_path)
-    try:
-        invites = read_invites(path)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     codes = [new_invite_code() for _ in range(args.count)]
-    invites.update({code_digest(c): {"peer_id": None, "used_at": None} for c in codes})
-    write_invites(path, invites)
+    with invites_locked(path):  # the run's authority may be redeeming codes from the same file
+        try:
+            invites = read_invites(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        invites.update({code_digest(c): {"peer_id": None, "used_at": None} for c in codes})
+        write_invites(path, invites)
     print("\n".join(codes))
     note = "" if manifest.admission.mode == "invite" else " (this run is open: codes only skip probation)"
     print(f"{len(codes)} invite code(s) for run {manifest.name} kept hashed in {path}{note}", flush=True)

@@ -5,7 +5,10 @@ It answers `Kind.ADMIT` requests on its sync service:
 
 * with an invite code: a code `pathswarm run invite` wrote into `M.invites.json` (only its sha256 is
   kept there) admits the first key that redeems it, and that key again later (a peer that lost its
-  token); any other key is refused. The file is rewritten atomically on every use.
+  token); any other key is refused. The file is rewritten atomically on every use, and read and
+  rewritten under an exclusive lock (`invites_locked`): redemptions run on executor threads, and two
+  at once each wrote back what it had read, so one undid the other's and a redeemed code could be
+  redeemed again by another key (seen in CI).
 * without one, in an `open` run: the key must hold a claim, have paid the run's key cost if it asks
   for one (`key_cost_bits`), and admitted holders of its modules must say that they averaged at least
   `probation_rounds` of its outer gradients (`Kind.STANDING`, asked of each; a strict majority of
@@ -20,6 +23,7 @@ which is the weak start an open run has, said in the threat model.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
@@ -27,7 +31,8 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hivemind.utils.crypto import RSAPrivateKey
@@ -78,6 +83,18 @@ def write_invites(path: Path, invites: dict[str, dict]) -> None:
     tmp.write_text(json.dumps(invites, indent=1, sort_keys=True))
     os.chmod(tmp, 0o600)
     tmp.replace(path)
+
+
+@contextmanager
+def invites_locked(path: Path) -> Iterator[None]:
+    """Holds an exclusive `flock` on a file beside `path` (between threads as between processes:
+    the authority's redemptions and `pathswarm run invite`) for a read, change and write of it."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor of the open file releases the lock
 
 
 class AdmissionAuthority:
@@ -146,19 +163,20 @@ class AdmissionAuthority:
     def _redeem(self, sender: str, code: str) -> str:
         if self.invites is None:
             raise PermissionError("this node keeps no invites")
-        try:
-            invites = read_invites(self.invites)
-        except ValueError as e:
-            logger.error(f"authority: {e}")
-            raise PermissionError("the authority cannot read its invites") from None
-        entry = invites.get(code_digest(code))
-        if entry is None:
-            raise PermissionError("unknown invite code")
-        if entry.get("peer_id") not in (None, sender):
-            raise PermissionError("this invite code was redeemed by another key")
-        if entry.get("peer_id") is None:
-            invites[code_digest(code)] = {"peer_id": sender, "used_at": time.time()}
-            write_invites(self.invites, invites)
+        with invites_locked(self.invites):
+            try:
+                invites = read_invites(self.invites)
+            except ValueError as e:
+                logger.error(f"authority: {e}")
+                raise PermissionError("the authority cannot read its invites") from None
+            entry = invites.get(code_digest(code))
+            if entry is None:
+                raise PermissionError("unknown invite code")
+            if entry.get("peer_id") not in (None, sender):
+                raise PermissionError("this invite code was redeemed by another key")
+            if entry.get("peer_id") is None:
+                invites[code_digest(code)] = {"peer_id": sender, "used_at": time.time()}
+                write_invites(self.invites, invites)
         return "invite"
 
     async def _probation(self, sender: str) -> tuple[int, int]:
