@@ -102,8 +102,6 @@ class Peer:
         self.contribution = ContributionLedger(lambda: (self.step, self.tokens_total, self.path_steps))
         #: path index -> inner steps this peer trained on it (several paths once it rotated)
         self.path_steps: dict[int, int] = {}
-        #: the move decided at a round's end, made in the loop once that step's syncs are handled
-        self._rotation: Rotation | None = None
         self._closed = False
 
     # --- start-up -------------------------------------------------------------------------------
@@ -268,8 +266,8 @@ class Peer:
             holders = self.membership.holders()
             for done in self.sync.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
-            if self._rotation is not None:  # decided at the round's end, made once its syncs are all done
-                rotation, self._rotation = self._rotation, None
+            # read at the round's end beside the loop, made once that read and the syncs are done
+            if (rotation := self.rotation_policy.poll(self.sync.in_flight)) and not self._finishing():
                 self._rotate(rotation)
                 self.model.train()
             self._pace(began)
@@ -309,10 +307,8 @@ class Peer:
         self.membership.announce()
         self._follow_router()
         # every peer computes the swarm's rotation alike; one that is leaving does not move
-        decide, sync = self.rotation_policy.decide, self.sync
-        self._rotation = (
-            None if self._finishing() else decide(self.outer_round, sync.in_flight, sync.last_members)
-        )
+        if not self._finishing():
+            self.rotation_policy.round_ended(self.outer_round, self.sync.last_members)
 
     def _finishing(self) -> bool:
         cfg = self.config
@@ -432,7 +428,8 @@ class Peer:
             self.membership.leave()
         # the sync layer first (its rounds use the others), the DHT last (every part talks through it)
         for part in (
-            self.sync, self.membership, self.router, self.metrics, self.dialback, self.artifacts, self.dht
+            self.sync, self.rotation_policy, self.membership, self.router, self.metrics, self.dialback,
+            self.artifacts, self.dht,
         ):  # fmt: skip
             if part is not None:
                 part.shutdown()
