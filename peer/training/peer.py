@@ -9,9 +9,9 @@ announces that the peer is leaving and shuts everything down; it is safe to call
 
 `Peer` holds its parts and calls them; none calls back: `Membership` (claim, views, heartbeat),
 `PathSync` (the sync layer), `RouterFollower` (the route its data is read with; a newer router version
-that is due), `RotationPolicy` (whether it moves at a round's end; the move is `Peer`'s: it rebuilds
-its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what others make it upload) and
-`ContributionLedger` (its totals over the run).
+that is due), `RotationPolicy` (whether it moves after a round's end, read beside the loop; the move
+is `Peer`'s: it rebuilds its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what
+others make it upload) and `ContributionLedger` (its totals over the run).
 """
 
 from __future__ import annotations
