@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import hivemind
 import pytest
-import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
-from peer.config import PeerConfig
-from peer.model.grid import ModelConfig, all_paths
+from peer.model.grid import ModelConfig
 from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
 from peer.run.admission import AdmissionCheck, sign_admission
-from peer.run.record import load_verified_manifest
 from peer.swarm.claims import steering_claims
-from peer.swarm.membership import Membership, Progress
 from peer.swarm.rotation import claimed_path_steps, plan_rotation, round_view, swarm_path_steps
 from peer.sync.standing import Standing
-from peer.training.rotate import RotationPolicy
-from tests.swarm_harness import write_manifest
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
 
@@ -225,69 +217,3 @@ def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announ
         round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped, steps_per_round=50)[0]
         == lagging
     )
-
-
-@pytest.mark.swarm  # a real DHT node (a child process) under the peer's membership
-@pytest.mark.timeout(60)
-def test_the_rotation_read_runs_beside_the_training_loop_and_a_read_still_running_at_the_next_round_is_void(
-    tmp_path,
-):
-    """The swarm's rotation is read from the DHT at a round's end; on the training thread the read was
-    1–2% of a rotating peer's loop (goodput benchmark) and waits out RPC timeouts in a partition. The
-    loop starts it (`round_ended`) and takes the decision at a later step with no sync in flight
-    (`poll`); a read that has not finished when the next round ends is another round's plan, and
-    nobody acts on it."""
-    manifest_path, _ = write_manifest(tmp_path, grid=(2, 2))
-    manifest, record = load_verified_manifest(manifest_path)
-    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    try:
-        config = PeerConfig(run="r", new_swarm=True, manifest_path=manifest_path, checkpoint_dir=tmp_path)
-        progress = Progress(outer_round=4, path_steps={0: 200})
-        member = Membership(
-            dht, RSAPrivateKey(), config, manifest, record, lambda: progress, torch.device("cpu")
-        )
-        # alone on path 0 of four, 200 steps on it: the rotation of round 4 moves us
-        member.path, member.ready = all_paths(manifest.model)[0], True
-        reads, release, finished = [], threading.Event(), threading.Event()
-        real_read = member.read_claims
-
-        def held_read():
-            reads.append(time.monotonic())
-            release.wait(20)
-            try:
-                return real_read()
-            finally:
-                finished.set()
-
-        member.read_claims = held_read
-        policy = RotationPolicy(member, None, fixed_path=False)
-        policy.round_ended(4, {})
-        wait_until(lambda: reads)
-        assert not finished.is_set() and policy.poll(in_flight=0) is None  # the loop goes on meanwhile
-        release.set()
-        assert finished.wait(10)
-        wait_until(lambda: policy._pending[2].done())
-        assert policy.poll(in_flight=1) is None  # a sync in flight: the move waits for it
-        moved = policy.poll(in_flight=0)
-        assert moved is not None and moved.mover == member.peer_id and moved.source == 0 and moved.target != 0
-        assert policy.poll(in_flight=0) is None  # decided once
-        # a read still running when the next round ends: neither round moves anyone
-        release.clear(), finished.clear()
-        progress.outer_round = 8
-        policy.round_ended(8, {})
-        wait_until(lambda: len(reads) == 2)
-        policy.round_ended(12, {})  # round 8's read is held: both void, and no read queued behind it
-        release.set()
-        assert finished.wait(10)
-        time.sleep(0.3)
-        assert len(reads) == 2 and policy.poll(in_flight=0) is None
-        policy.shutdown()
-    finally:
-        dht.shutdown()
-
-
-def wait_until(condition, timeout_seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)

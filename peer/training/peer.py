@@ -9,9 +9,9 @@ announces that the peer is leaving and shuts everything down; it is safe to call
 
 `Peer` holds its parts and calls them; none calls back: `Membership` (claim, views, heartbeat),
 `PathSync` (the sync layer), `RouterFollower` (the route its data is read with; a newer router version
-that is due), `RotationPolicy` (whether it moves after a round's end, read beside the loop; the move
-is `Peer`'s: it rebuilds its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what
-others make it upload) and `ContributionLedger` (its totals over the run).
+that is due), `RotationPolicy` (whether it moves at a round's end; the move is `Peer`'s: it rebuilds
+its model, sync layer and data), `PeerCheckpoints`, `ServeLimits` (what others make it upload) and
+`ContributionLedger` (its totals over the run).
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class Peer:
         self.contribution = ContributionLedger(lambda: (self.step, self.tokens_total, self.path_steps))
         #: path index -> inner steps this peer trained on it (several paths once it rotated)
         self.path_steps: dict[int, int] = {}
+        #: the move decided at a round's end, made in the loop once that step's syncs are handled
+        self._rotation: Rotation | None = None
         self._closed = False
 
     # --- start-up -------------------------------------------------------------------------------
@@ -266,8 +268,8 @@ class Peer:
             holders = self.membership.holders()
             for done in self.sync.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
-            # read at the round's end beside the loop, made once that read and the syncs are done
-            if (rotation := self.rotation_policy.poll(self.sync.in_flight)) and not self._finishing():
+            if self._rotation is not None:  # decided at the round's end, made once its syncs are all done
+                rotation, self._rotation = self._rotation, None
                 self._rotate(rotation)
                 self.model.train()
             self._pace(began)
@@ -307,8 +309,10 @@ class Peer:
         self.membership.announce()
         self._follow_router()
         # every peer computes the swarm's rotation alike; one that is leaving does not move
-        if not self._finishing():
-            self.rotation_policy.round_ended(self.outer_round, self.sync.last_members)
+        decide, sync = self.rotation_policy.decide, self.sync
+        self._rotation = (
+            None if self._finishing() else decide(self.outer_round, sync.in_flight, sync.last_members)
+        )
 
     def _finishing(self) -> bool:
         cfg = self.config
@@ -428,8 +432,7 @@ class Peer:
             self.membership.leave()
         # the sync layer first (its rounds use the others), the DHT last (every part talks through it)
         for part in (
-            self.sync, self.rotation_policy, self.membership, self.router, self.metrics, self.dialback,
-            self.artifacts, self.dht,
+            self.sync, self.membership, self.router, self.metrics, self.dialback, self.artifacts, self.dht
         ):  # fmt: skip
             if part is not None:
                 part.shutdown()

@@ -3,20 +3,11 @@ plan moves it when the move pays (peer/training/replan.py); otherwise, with fewe
 every --rotate_every_rounds rounds the swarm's rotation (peer/swarm/rotation.py) may pick this peer to
 move to the least-trained path nobody holds. It moves without restarting the process (`Peer._rotate`
 does the move: it rebuilds the peer's own model, sync layer and data).
-
-The swarm's rotation is read from the DHT at every rotation round's end (every peer must plan on the
-claims of that round), on a thread of the policy's own (`round_ended`), while the loop trains on; the
-loop takes the decision at the first step after the read (`poll`). On the training thread the read
-was 1–2% of a rotating peer's loop on the goodput benchmark (py-spy, sessions 34–35), and it waits
-out RPC timeouts in a partition.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 
 from peer.model.grid import path_from_index, path_module_ids
 from peer.swarm.claims import holders_by_module
@@ -52,54 +43,20 @@ class RotationPolicy:
         #: first look, which sees established holders, not joiners); only claimants in the current view
         self._first_seen: dict[str, dict[str, int | None]] = {}
         self._looked_at: dict | None = None  # the claim view `_first_seen` was last worked out from
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rotation-read")
-        #: the round whose rotation is being read, our latest round's members then, and the read
-        self._pending: tuple[int, dict[str, frozenset[str]], Future] | None = None
-
-    def round_ended(self, outer_round: int, last_members: dict[str, frozenset[str]]) -> None:
-        """Starts reading the swarm's rotation at the end of `outer_round` (`poll` decides on it). A read
-        of an earlier round still running (a slow DHT) makes both void: a late plan is another round's,
-        which the other peers did not plan on."""
-        if self._pending is not None and not self._pending[2].done():
-            logger.info(f"the rotation read of round {self._pending[0]} is still running: no rotation now")
-            self._pending = None
-            return
-        future = self._reader.submit(self.membership.rotation, outer_round)
-        self._pending = (outer_round, dict(last_members), future)
-
-    def poll(self, in_flight: int) -> Rotation | None:
-        """Our move (see `decide`), at the first step at which the read `round_ended` started is done
-        and none of our syncs is in flight (`in_flight`; until the next round ends); None until then."""
-        if self._pending is None or not self._pending[2].done() or in_flight:
-            return None
-        (outer_round, last_members, future), self._pending = self._pending, None
-        return self.decide(outer_round, in_flight, last_members, read=future.result)
-
-    def shutdown(self, timeout_seconds: float = 10.0) -> None:
-        """Waits (bounded) for a read still running, before the DHT it reads goes down."""
-        if self._pending is not None:
-            wait_for([self._pending[2]], timeout=timeout_seconds)
-            self._pending = None
-        self._reader.shutdown(wait=False, cancel_futures=True)
 
     def decide(
-        self,
-        outer_round: int,
-        in_flight: int,
-        last_members: dict[str, frozenset[str]] | None = None,
-        read: Callable[[], Rotation | None] | None = None,
+        self, outer_round: int, in_flight: int, last_members: dict[str, frozenset[str]] | None = None
     ) -> Rotation | None:
         """Our move, if the swarm's rotation at the end of this round moves us (see
         peer/swarm/rotation.py; every peer computes it, only the mover acts), none of our syncs
         (`in_flight`) is still running (a move rebuilds the sync layer they would land in), and every
         peer that joined a module we would leave took part in our latest round of it (`last_members`:
-        module -> the members of our latest round of it), or we waited `MAX_DEFERRED_ROUNDS` for it.
-        `read`: the swarm's rotation as read already (None: read it now)."""
+        module -> the members of our latest round of it), or we waited `MAX_DEFERRED_ROUNDS` for it."""
         self._look(outer_round)
         try:
             rotation = self.replanner.decide(outer_round) if self.replanner.enabled else None
             if rotation is None:
-                rotation = read() if read is not None else self.membership.rotation(outer_round)
+                rotation = self.membership.rotation(outer_round)
         except Exception as e:  # reading the claims or planning must never stop the training
             logger.warning(f"could not decide on a rotation: {type(e).__name__}: {e}")
             return None
