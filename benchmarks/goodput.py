@@ -8,7 +8,9 @@ over the summed training-loop seconds of every peer (what is not an inner step i
 a rotation, a checkpoint); `tokens_per_second` is measured from the peers' own round histories (the
 tokens each had trained at each round's end, over the window where all of them were training);
 `monitor_tokens_per_second` is the mean of what the monitor's status showed over that same window.
-`max_round_gap_seconds`: the longest time between two consecutive rounds of one peer.
+`max_round_gap_seconds`: the longest time between two consecutive rounds of one peer. `moves`: the
+rotations the peers made (their "rotating from path" lines), beside `train_fraction` because fewer
+moves raise it (session 35 took a fraction bought by moves not made for a gain).
 
 `churn`: 4 peers, one per path, training for `--churn_seconds` from launch (then every peer is sent
 SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer (seeded) is SIGKILLed
@@ -55,6 +57,8 @@ from peer.run.create import build_manifest  # noqa: E402
 
 #: what a member logs when the digests in a round's reports show its copy split from the group's
 SPLIT_MARKS = ("(it drifted); repairing it", "merged the diverged copies")
+#: what a peer logs when it rotates to another path (peer.training.peer)
+MOVE_MARK = "rotating from path"
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
 
 
@@ -201,6 +205,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
         median_round_gap_seconds=statistics.median(gaps),
         path_steps=dict(sorted(path_steps.items())),
         rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
+        moves=count_marks(folder / "logs", (MOVE_MARK,)),
         seconds=round(time.monotonic() - started, 1),
     )
 
@@ -280,6 +285,7 @@ def table(report: dict) -> str:
         r = report["rotation"]
         rows += [
             f"| rotation | train_fraction | {r['train_fraction']:.3f} | ≥ {TARGETS['train_fraction']} |",
+            f"| rotation | moves (rotations made) | {r.get('moves', '–')} | |",
             f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
             f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",
             f"| rotation | round gap max, median (s) | {r['max_round_gap_seconds']:.1f}, "
