@@ -61,6 +61,31 @@ RUNS: dict[str, dict] = {
     # error feedback decay as a knob too: a dense code's rounding error is unbiased noise that a decay
     # below 1 partly forgets, where SparseLoCo's top-k rest is momentum-like and meant to fade
     "dense_2bit": dict(codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")),
+    # the same 2-bit levels after a randomized Hadamard rotation per block, each sender's own signs
+    "rotated_2bit": dict(
+        codec="rotated2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
+    ),
+    # the 2-bit codes on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran them; and fp32 on the
+    # streaming schedule the other codec runs use, to tell the schedule's cost from the code's
+    "diloco_dense_2bit": dict(
+        codec="dense2bit",
+        fragments=1,
+        tau=0,
+        alpha=0.0,
+        lr=0.7,
+        momentum=0.9,
+        tune=("lr", "momentum", "decay"),
+    ),
+    "diloco_rotated_2bit": dict(
+        codec="rotated2bit",
+        fragments=1,
+        tau=0,
+        alpha=0.0,
+        lr=0.7,
+        momentum=0.9,
+        tune=("lr", "momentum", "decay"),
+    ),
+    "streaming_fp32": dict(codec="fp32", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
     # MuLoCo: Muon inside (the manifest's inner.muon); its 2-bit result is with Muon, so the pair runs
     # with its own fp32 reference and each reports its ratio to it beside the one to AdamW's DiLoCo
     "diloco_fp32_muon": dict(
@@ -69,12 +94,30 @@ RUNS: dict[str, dict] = {
     "dense_2bit_muon": dict(
         codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr", "momentum", "decay")
     ),
+    "diloco_dense_2bit_muon": dict(
+        codec="dense2bit",
+        fragments=1,
+        tau=0,
+        alpha=0.0,
+        lr=0.7,
+        momentum=0.9,
+        muon=True,
+        tune=("lr", "momentum", "decay"),
+    ),
+    "rotated_2bit_muon": dict(
+        codec="rotated2bit", alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr", "momentum", "decay")
+    ),
 }
 #: a run's reference with the same inner optimizer (the codec's own cost), where not REFERENCE
-SAME_INNER_REFERENCE = {"diloco_fp32_muon": "diloco_fp32_muon", "dense_2bit_muon": "diloco_fp32_muon"}
+SAME_INNER_REFERENCE = {
+    "diloco_fp32_muon": "diloco_fp32_muon",
+    "dense_2bit_muon": "diloco_fp32_muon",
+    "rotated_2bit_muon": "diloco_fp32_muon",
+    "diloco_dense_2bit_muon": "diloco_fp32_muon",
+}
 REFERENCE = "diloco_fp32"
 #: what runs without --runs: sparse2bit_nesterov only on request (it costs two more runs)
-DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit")
+DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit", "rotated_2bit")
 
 
 def _floats(text: str) -> list[float]:
