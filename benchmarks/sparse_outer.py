@@ -15,8 +15,11 @@ that only the outer gradient's code and the outer step differ between runs:
   error feedback;
 * `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0 (its error
   feedback decay tuned too: `--tune_decays`);
-* `diloco_fp32_muon`, `dense_2bit_muon` — the same two with Muon as the inner optimizer (MuLoCo's
-  setting, the manifest's `inner.muon`); each is also compared with `diloco_fp32_muon`
+* `diloco_dense_2bit` — the same code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it;
+  `streaming_fp32` — fp32 on the codec runs' streaming schedule (P = 4, τ = 1, α = 0): together they
+  tell what the schedule costs from what the code costs;
+* `diloco_fp32_muon`, `dense_2bit_muon`, `diloco_dense_2bit_muon` — with Muon as the inner optimizer
+  (MuLoCo's setting, the manifest's `inner.muon`); each is also compared with `diloco_fp32_muon`
   (`eval_loss_ratio_same_inner`: what the codec alone costs), which runs whenever one of them does.
 
 Per run and seed (`--seeds`: each changes the initial weights and every replica's batch order) the
@@ -50,10 +53,12 @@ from pathlib import Path
 from benchmarks.sparse_outer_report import write_report
 from benchmarks.sparse_outer_train import make_run_codec, train
 
+#: DiLoCo's schedule: the whole model in one round (P = 1), applied at once (τ = 0), no mixing
+DILOCO_SCHEDULE = dict(fragments=1, tau=0, alpha=0.0)
 RUNS: dict[str, dict] = {
     # the references are tuned too: DiLoCo's published lr (0.7, for H = 500) need not suit H = 8, and a
     # codec that beats an untuned baseline proves nothing
-    "diloco_fp32": dict(codec="fp32", fragments=1, tau=0, alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
+    "diloco_fp32": dict(codec="fp32", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, tune=("lr",)),
     "streaming_nf4": dict(codec="nf4", alpha=0.5, lr=0.7, momentum=0.9, tune=("lr",)),
     "sparse": dict(codec="sparse", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr",)),
     "sparse2bit": dict(codec="sparse2bit", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr", "density")),
@@ -61,63 +66,34 @@ RUNS: dict[str, dict] = {
     # error feedback decay as a knob too: a dense code's rounding error is unbiased noise that a decay
     # below 1 partly forgets, where SparseLoCo's top-k rest is momentum-like and meant to fade
     "dense_2bit": dict(codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")),
-    # the same 2-bit levels after a randomized Hadamard rotation per block, each sender's own signs
-    "rotated_2bit": dict(
-        codec="rotated2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
-    ),
-    # the 2-bit codes on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran them; and fp32 on the
-    # streaming schedule the other codec runs use, to tell the schedule's cost from the code's
+    # the 2-bit code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it; and fp32 on the streaming
+    # schedule of the codec runs, which tells what the schedule costs from what a code costs
     "diloco_dense_2bit": dict(
-        codec="dense2bit",
-        fragments=1,
-        tau=0,
-        alpha=0.0,
-        lr=0.7,
-        momentum=0.9,
-        tune=("lr", "momentum", "decay"),
-    ),
-    "diloco_rotated_2bit": dict(
-        codec="rotated2bit",
-        fragments=1,
-        tau=0,
-        alpha=0.0,
-        lr=0.7,
-        momentum=0.9,
-        tune=("lr", "momentum", "decay"),
+        codec="dense2bit", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
     ),
     "streaming_fp32": dict(codec="fp32", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
     # MuLoCo: Muon inside (the manifest's inner.muon); its 2-bit result is with Muon, so the pair runs
     # with its own fp32 reference and each reports its ratio to it beside the one to AdamW's DiLoCo
-    "diloco_fp32_muon": dict(
-        codec="fp32", fragments=1, tau=0, alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr",)
-    ),
+    "diloco_fp32_muon": dict(codec="fp32", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, muon=True, tune=("lr",)),
     "dense_2bit_muon": dict(
         codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr", "momentum", "decay")
     ),
     "diloco_dense_2bit_muon": dict(
         codec="dense2bit",
-        fragments=1,
-        tau=0,
-        alpha=0.0,
+        **DILOCO_SCHEDULE,
         lr=0.7,
         momentum=0.9,
         muon=True,
         tune=("lr", "momentum", "decay"),
     ),
-    "rotated_2bit_muon": dict(
-        codec="rotated2bit", alpha=0.0, lr=0.7, momentum=0.9, muon=True, tune=("lr", "momentum", "decay")
-    ),
 }
 #: a run's reference with the same inner optimizer (the codec's own cost), where not REFERENCE
 SAME_INNER_REFERENCE = {
-    "diloco_fp32_muon": "diloco_fp32_muon",
-    "dense_2bit_muon": "diloco_fp32_muon",
-    "rotated_2bit_muon": "diloco_fp32_muon",
-    "diloco_dense_2bit_muon": "diloco_fp32_muon",
+    name: "diloco_fp32_muon" for name in ("diloco_fp32_muon", "dense_2bit_muon", "diloco_dense_2bit_muon")
 }
 REFERENCE = "diloco_fp32"
 #: what runs without --runs: sparse2bit_nesterov only on request (it costs two more runs)
-DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit", "rotated_2bit")
+DEFAULT_RUNS = ("diloco_fp32", "streaming_nf4", "sparse", "sparse2bit", "dense_2bit")
 
 
 def _floats(text: str) -> list[float]:

@@ -39,9 +39,8 @@ def lab_flags(args: argparse.Namespace) -> list[str]:
 def make_run_codec(run: dict):
     """The run's codec; a `density` other than the table's (sparse2bit only) is a variant of its spec
     for tuning, never one a swarm could choose."""
-    from peer.codecs.formats import make_codec
+    from peer.codecs.formats import ChunkSparse2BitCodec, make_codec
     from peer.codecs.specs import CODEC_SPECS
-    from peer.codecs.two_bit import ChunkSparse2BitCodec
 
     density = run.get("density")
     if density is None:

@@ -1,14 +1,11 @@
-"""The 2-bit codecs: sparse2bit (SparseLoCo's top-k recipe), dense2bit (MuLoCo's 2-bit dense
-code) and rotated2bit (dense2bit's levels after a randomized Hadamard rotation): wire size, what
-they keep, refusal of malformed payloads, and error feedback losing nothing.
+"""The 2-bit codecs: sparse2bit (SparseLoCo's top-k recipe) and dense2bit (MuLoCo's 2-bit dense
+code): wire size, what they keep, refusal of malformed payloads, and error feedback losing nothing.
 Their round-trip error bounds are checked with every codec's in tests/test_streaming.py."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -159,77 +156,7 @@ def test_dense2bit_sends_every_value_at_2_125_bits_and_refuses_bad_block_scales(
             codec.decode(bytes(bad), x.numel())
 
 
-def test_rotated2bit_sends_every_block_whole_at_2_125_bits_and_a_seed_and_refuses_bad_block_scales():
-    codec, spec = make_codec("rotated2bit"), CODEC_SPECS["rotated2bit"]
-    x = _gauss(10 * 128 + 17)
-    data = codec.encode(x)
-    # the partial last block is rotated whole, so all 128 of its codes go out, after the 4-byte seed
-    assert len(data) == spec.wire_bytes(x.numel()) == 4 + 11 * (2 + 32)
-    assert spec.wire_bytes_per_value * 8 == 2.125
-    assert codec.encode(x) == data  # the seed is drawn from the values: a run is repeatable
-    assert codec.encode(_gauss(x.numel(), seed=1))[:4] != data[:4]  # other values, other signs
-    for scale, fragment in ((b"\x80\xbf", "negative"), (b"\xc0\x7f", "not finite")):
-        bad = bytearray(data)
-        bad[4 + 2 * 10 : 4 + 2 * 10 + 2] = scale  # the last (partial) block's bf16 scale
-        with pytest.raises(CodecError, match=fragment):
-            codec.decode(bytes(bad), x.numel())
-
-
-def _hadamard_matrix(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def test_rotated2bit_decodes_to_the_inverse_rotation_of_its_levels():
-    """Decoding is D·H/128 of the levels times the block scales, D the signs its seed draws: checked
-    against the Hadamard matrix in float64 (the codec's butterflies give these values to fp32
-    rounding), so a wrong inverse or signs that differ between encoder and decoder fail."""
-    codec = make_codec("rotated2bit")
-    x = _gauss(3 * 128)
-    data = codec.encode(x)
-    bits = np.unpackbits(np.frombuffer(hashlib.shake_128(data[:4]).digest(16), np.uint8))
-    signs = torch.from_numpy(1.0 - 2.0 * bits.astype(np.float64))
-    rotated = (x.double().view(3, 128) * signs) @ _hadamard_matrix(128).T
-    decoded = codec.decode(data, x.numel())
-    levels = codec.LEVELS.double()
-    raw = torch.from_numpy(np.frombuffer(data[4 + 6 :], np.uint8).copy())
-    codes = torch.stack([(raw >> s) & 3 for s in (6, 4, 2, 0)], 1).reshape(3, 128).long()
-    block_scales = torch.from_numpy(np.frombuffer(data[4:10], "<i2").copy()).view(torch.bfloat16).double()
-    # the codes are the nearest levels of each rotated value over its block's (bf16) RMS
-    assert torch.equal(codes, torch.bucketize(rotated / block_scales[:, None], codec.THRESHOLDS.double()))
-    expected = ((levels[codes] * block_scales[:, None]) @ _hadamard_matrix(128) / 128 * signs).reshape(-1)
-    assert torch.allclose(decoded.double(), expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
-
-
-def test_rotated2bit_fits_heavy_tails_that_dense2bit_rounds_badly():
-    """Outer gradients have heavy tails (kurtosis 9.4 in benchmarks.sparse_outer); 4 Gaussian levels
-    fit them only once rotated. Student-t data with 3 degrees of freedom: rotated2bit's error is the
-    Gaussian one (0.34), dense2bit's well above it."""
-    t = torch.distributions.StudentT(3.0)
-    torch.manual_seed(0)
-    x = t.sample((50_000,)) * 0.01
-    err = {n: float((make_codec(n).decode(make_codec(n).encode(x), x.numel()) - x).norm() / x.norm())
-           for n in ("dense2bit", "rotated2bit")}  # fmt: skip
-    assert err["rotated2bit"] < 0.36 < 0.40 < err["dense2bit"], err
-
-
-def test_rotated2bit_members_rounding_errors_cancel_in_their_mean():
-    """Each payload draws its own signs, so four members sending nearly the same Δ round it
-    differently and the mean of their parts is closer than any one part: about half the error of
-    one part for four members, where shared signs would leave it at one part's error."""
-    codec = make_codec("rotated2bit")
-    common = _gauss(8192)
-    parts = [common + _gauss(8192, seed=10 + i) * 1e-3 for i in range(4)]
-    decoded = [codec.decode(codec.encode(p), p.numel()) for p in parts]
-    one = float((decoded[0] - parts[0]).norm() / parts[0].norm())
-    mean = sum(parts) / 4
-    err_mean = float((sum(decoded) / 4 - mean).norm() / mean.norm())
-    assert one > 0.3 and err_mean < 0.6 * one, (one, err_mean)
-
-
-@pytest.mark.parametrize("name", ["sparse", "sparse2bit", "dense2bit", "rotated2bit"])
+@pytest.mark.parametrize("name", ["sparse", "sparse2bit", "dense2bit"])
 def test_error_feedback_of_each_feedback_codec_loses_nothing_in_process(name):
     """Two holders, outer SGD lr 1 without momentum, decay 1, plain mean: whatever a holder's payloads
     left out is still in its error buffer, θ̄₀ − θ̄_T = mean over holders of (Σ Δ − e_T), and the

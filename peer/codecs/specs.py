@@ -113,25 +113,6 @@ class ChunkSparseSpec(CodecSpec):
         return bits / 8 / self.block
 
 
-@dataclass(frozen=True)
-class RotatedSpec(CodecSpec):
-    """A dense code of every block after a randomized Hadamard rotation of it: a partial last block
-    is padded with zeros and rotated whole (its padding spreads over all `block` values, so all of
-    them are sent), and a payload opens with the `header_bytes` seed of its random signs."""
-
-    header_bytes: int = 4
-
-    def wire_bytes(self, numel: int) -> int:
-        if numel == 0:
-            return 0
-        blocks = math.ceil(numel / self.block)
-        return self.header_bytes + blocks * (self.scale_bytes + self.block * self.bits // 8)
-
-    @property
-    def wire_bytes_per_value(self) -> float:
-        return self.bits / 8 + self.scale_bytes / self.block
-
-
 # error_bound: the largest error `python -m benchmarks.codec_error` measured on Gaussian data (sizes
 # 1,000 to 1,000,000, seeds 0-4) x 1.05, rounded up to three digits; fp32 is exact. The margin is
 # small because the error barely varies between samples (nf4: 0.0882-0.0944 at 1,000 numbers).
@@ -157,12 +138,6 @@ CODEC_SPECS: dict[str, CodecSpec] = {
         # MuLoCo's 2-bit dense outer gradients: 4 levels per block of 128 with a bf16 scale (2.125
         # bits, 1/15 of fp32); what rounding leaves out is error feedback (measured max 0.356)
         CodecSpec("dense2bit", 2, 128, 2, 0.374, error_feedback=True),
-        # the same levels after a randomized Hadamard rotation of each block (EDEN, Vargaftik et al.
-        # 2022): rotated, a block's values are close to Gaussian whatever their tails were, which the
-        # levels are made for (on outer gradients 0.338 error where dense2bit's is 0.396), and each
-        # sender's own random signs make the members' rounding errors independent, so they shrink in
-        # the average (0.220 where dense2bit's is 0.319: docs/benchmarks/sparse_outer.md)
-        RotatedSpec("rotated2bit", 2, 128, 2, 0.374, error_feedback=True),
     )
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_SPECS)
