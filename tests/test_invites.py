@@ -15,7 +15,8 @@ from peer.cli.main import main
 from peer.config import AdmissionConfig
 from peer.run.record import load_record, load_verified_manifest
 from peer.swarm import authority
-from peer.swarm.authority import AdmissionAuthority, code_digest, invites_path, read_invites
+from peer.swarm.authority import AdmissionAuthority, code_digest, invites_path, new_invite_code, read_invites
+from peer.sync import wire
 from tests.swarm_harness import write_manifest
 from tests.sync_members import sync_group
 
@@ -67,3 +68,45 @@ def test_one_invite_code_redeemed_by_two_keys_at_once_admits_exactly_one(
     kept = read_invites(invites_path(manifest_path))
     winner = "QmAlice" if same[0] == "invite" else "QmThief"
     assert [kept[code_digest(c)]["peer_id"] for c in codes] == [winner, "QmBob", "QmCarol"]
+
+
+def test_a_strangers_unknown_codes_are_refused_without_reading_the_invites_again(
+    tmp_path, dht_factory, monkeypatch, capsys
+):
+    """ADMIT requests with codes the authority never issued (any key may send them, as many as it
+    likes) are refused from the invites as last read: the file is parsed again only when it changed
+    (a redemption, `run invite`), so a flood of guesses costs no read of up to 10,000 entries under
+    the file's lock. Codes issued after the authority started and a key's own redeemed code still
+    pass; a code another key redeemed is refused."""
+    creator = RSAPrivateKey()
+    manifest_path, _ = write_manifest(tmp_path, creator=creator, admission=AdmissionConfig(mode="invite"))
+    assert main(["run", "invite", "--manifest_path", str(manifest_path), "--count", "2"]) == 0
+    codes = capsys.readouterr().out.split()[:2]
+    reads = []
+    plain = authority.read_invites
+    monkeypatch.setattr(authority, "read_invites", lambda path: reads.append(path) or plain(path))
+    with sync_group(dht_factory, 1, 16) as (member,):
+        auth = AdmissionAuthority(
+            member.service, creator, load_verified_manifest(manifest_path)[0], load_record(manifest_path),
+            invites_path(manifest_path), dict,
+        )  # fmt: skip
+
+        def admit(sender: str, code: str) -> str:
+            request = wire.AdmitRequest(run=member.service.run, invite=code)
+            try:
+                return member.service.call(auth._decide(sender, request), timeout=10)
+            except PermissionError as e:
+                return str(e)
+
+        guesses = [admit(f"QmStranger{i}", new_invite_code()) for i in range(200)]
+        assert set(guesses) == {"unknown invite code"} and len(reads) == 1
+        assert admit("QmAlice", codes[0]) == "invite"  # read under the lock, and written
+        assert admit("QmThief", codes[0]) == "this invite code was redeemed by another key"
+        assert admit("QmAlice", codes[0]) == "invite"  # its own code again (a lost token)
+        settled = len(reads)
+        assert {admit(f"QmGuess{i}", new_invite_code()) for i in range(200)} == {"unknown invite code"}
+        assert len(reads) == settled
+        assert main(["run", "invite", "--manifest_path", str(manifest_path), "--count", "1"]) == 0
+        late = capsys.readouterr().out.split()[0]
+        assert admit("QmBob", late) == "invite"
+    assert len(reads) <= settled + 3, reads

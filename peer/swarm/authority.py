@@ -5,10 +5,12 @@ It answers `Kind.ADMIT` requests on its sync service:
 
 * with an invite code: a code `pathswarm run invite` wrote into `M.invites.json` (only its sha256 is
   kept there) admits the first key that redeems it, and that key again later (a peer that lost its
-  token); any other key is refused. The file is rewritten atomically on every use, and read and
-  rewritten under an exclusive lock (`invites_locked`): redemptions run on executor threads, and two
-  at once each wrote back what it had read, so one undid the other's and a redeemed code could be
-  redeemed again by another key (seen in CI).
+  token); any other key is refused. A code unknown or redeemed by another key is refused from the
+  invites as last read, read again only when the file has changed, so a stranger's guess costs a
+  `stat` and a lookup, not a parse of the whole file under its lock. The file is rewritten
+  atomically on every use, and read and rewritten under an exclusive lock (`invites_locked`):
+  redemptions run on executor threads, and two at once each wrote back what it had read, so one
+  undid the other's and a redeemed code could be redeemed again by another key (seen in CI).
 * without one, in an `open` run: the key must hold a claim, have paid the run's key cost if it asks
   for one (`key_cost_bits`), and admitted holders of its modules must say that they averaged at least
   `probation_rounds` of its outer gradients (`Kind.STANDING`, asked of each; a strict majority of
@@ -116,6 +118,8 @@ class AdmissionAuthority:
         self.invites = invites
         self.read_claims = read_claims
         self.granted: deque[float] = deque()  # when recent probation admissions were granted
+        #: the invites file as last read: its (inode, size, mtime) and its entries
+        self._invites_read: tuple[tuple[int, int, int] | None, dict[str, dict]] | None = None
         service.extra_handlers[Kind.ADMIT] = self._on_admit
 
     async def _on_admit(self, sender: str, body: bytes, reader, writer) -> None:
@@ -140,6 +144,11 @@ class AdmissionAuthority:
         """How `sender` is admitted ("invite" or "probation"); PermissionError with the reason if not."""
         loop = asyncio.get_running_loop()
         if request.invite:
+            entry = await self._known_invite(request.invite)
+            if entry.get("peer_id") not in (None, sender):
+                raise PermissionError("this invite code was redeemed by another key")
+            # the redemption itself reads and writes the file under its lock: a code redeemed since
+            # the read above is refused there
             return await loop.run_in_executor(None, self._redeem, sender, request.invite)
         config = self.manifest.admission
         if config.mode == "invite":
@@ -159,6 +168,33 @@ class AdmissionAuthority:
             )
         self.granted.append(time.monotonic())
         return "probation"
+
+    async def _known_invite(self, code: str) -> dict:
+        """The entry of `code` in the invites as last read; PermissionError if there is none. The file
+        is read again (off the service loop) only when its inode, size or mtime changed: `run invite`
+        and redemptions replace it whole."""
+        if self.invites is None:
+            raise PermissionError("this node keeps no invites")
+        try:
+            st = os.stat(self.invites)
+            identity: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            identity = None
+        if self._invites_read is None or self._invites_read[0] != identity:
+            invites: dict[str, dict] = {}
+            if identity is not None:
+                try:
+                    invites = await asyncio.get_running_loop().run_in_executor(
+                        None, read_invites, self.invites
+                    )
+                except ValueError as e:
+                    logger.error(f"authority: {e}")
+                    raise PermissionError("the authority cannot read its invites") from None
+            self._invites_read = (identity, invites)
+        entry = self._invites_read[1].get(code_digest(code))
+        if entry is None:
+            raise PermissionError("unknown invite code")
+        return entry
 
     def _redeem(self, sender: str, code: str) -> str:
         if self.invites is None:
