@@ -285,7 +285,7 @@ def table(report: dict) -> str:
         r = report["rotation"]
         rows += [
             f"| rotation | train_fraction | {r['train_fraction']:.3f} | ≥ {TARGETS['train_fraction']} |",
-            f"| rotation | moves (rotations made) | {r.get('moves', '–')} | |",
+            f"| rotation | moves (rotations made) | {r['moves']} | |",
             f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
             f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",
             f"| rotation | round gap max, median (s) | {r['max_round_gap_seconds']:.1f}, "
