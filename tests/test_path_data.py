@@ -67,6 +67,44 @@ def test_a_new_route_starts_the_paths_stream_again_and_only_the_latest_streams_a
     assert torch.equal(restarted, take(fresh_stream(manifest, tokenizer, route, 0, step=10), 1)[0])
 
 
+def test_a_resumed_peers_data_goes_on_where_its_streams_stood_before_the_restart(run):
+    manifest, tokenizer, route = run
+    before = PathData(manifest, tokenizer, 4, None, "me")
+    take(before.batches(0, route, [], step=3), 7)
+    take(before.batches(1, route, [], step=10), 2)  # a move: both streams are in the checkpoint
+    saved = before.positions(router_version=0)
+    assert saved["streams"] == [dict(path=0, seed=stable_seed("me", 3), batches=7),
+                                dict(path=1, seed=stable_seed("me", 10), batches=2)]  # fmt: skip
+    after = PathData(manifest, tokenizer, 4, None, "me")  # the next life of the peer
+    after.resume_from(saved)
+    assert after.positions(router_version=0) == saved  # a checkpoint before the data starts keeps them
+    resumed = take(after.batches(1, route, [], step=12), 3)
+    reference = take(fresh_stream(manifest, tokenizer, route, 1, step=10), 5)
+    for got, want in zip(resumed, reference[2:], strict=True):
+        assert torch.equal(got, want)
+    back = take(after.batches(0, route, [], step=15), 1)[0]
+    assert torch.equal(back, take(fresh_stream(manifest, tokenizer, route, 0, step=3), 8)[7])
+    # before, a restart began the shard at the top: the first batches over again
+    assert not torch.equal(resumed[0], reference[0])
+
+
+def test_positions_of_another_router_version_or_not_a_record_start_the_data_again(run, caplog):
+    manifest, tokenizer, route = run
+    before = PathData(manifest, tokenizer, 4, None, "me")
+    take(before.batches(0, route, [], step=3), 7)
+    saved = before.positions(router_version=1)
+    switched = PathData(manifest, tokenizer, 4, None, "me")
+    switched.resume_from(saved)
+    top = take(fresh_stream(manifest, tokenizer, route, 0, step=20), 1)[0]
+    assert torch.equal(take(switched.batches(0, route, [], step=20, router_version=2), 1)[0], top)
+    for bad in ({"streams": []}, {"router_version": 0, "streams": [{"path": 9, "seed": 1, "batches": 2}]},
+                {"router_version": 0, "streams": [{"path": 0, "seed": 1, "batches": -2}]}, "x"):  # fmt: skip
+        data = PathData(manifest, tokenizer, 4, None, "me")
+        data.resume_from(bad)
+        assert torch.equal(take(data.batches(0, route, [], step=20), 1)[0], top)
+    assert caplog.text.count("data positions are not a record of streams") == 4
+
+
 def counting(route, calls: list[int]):
     """`route`, counting the documents it is asked to route."""
 

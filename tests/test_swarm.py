@@ -173,6 +173,7 @@ def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):
         swarm.stop()
         tensors, meta = load_latest_checkpoint(ckpt)
         assert meta["outer_round"] == 1 and meta["step"] == 10
+        assert [stream["batches"] for stream in meta["data"]["streams"]] == [10]  # where its data stood
 
         swarm.spawn(
             "p2",
@@ -181,8 +182,10 @@ def test_kill_during_checkpoint_then_resume(tmp_path, manifest_file):
         assert swarm.wait("p2", timeout=90) == 0, swarm.log_path("p2").read_text()[-3000:]
         log = swarm.log_path("p2").read_text()
     assert "resumed from checkpoint at step 10, outer round 1" in log
+    assert "data goes on after the 10 batches its stream gave before the restart" in log
     tensors2, meta2 = load_latest_checkpoint(ckpt)
     assert meta2["outer_round"] == 5 and meta2["step"] == 50
+    assert [stream["batches"] for stream in meta2["data"]["streams"]] == [50]  # not the top of the shard
     assert not torch.equal(tensors["trunk/global/tok_emb.weight"], tensors2["trunk/global/tok_emb.weight"])
 
 

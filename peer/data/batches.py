@@ -58,7 +58,9 @@ class PathBatches:
     (its shard only, about 1/n_paths of the data); later epochs replay that cache in a new seeded
     order. Documents (BOS + tokens + EOS) are packed end to end and cut into windows with a
     stride of seq_len, so every token is a target exactly once; windows pass through a seeded shuffle
-    buffer. `tokens_yielded` counts predicted positions, batch_size * seq_len per batch.
+    buffer. `tokens_yielded` counts predicted positions, batch_size * seq_len per batch. The stream
+    is a function of the documents, the route, the path and `seed`, so `skip(n)` after a restart goes
+    on exactly where a stream of the same seed stopped after n batches.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class PathBatches:
         self._rng = random.Random(stable_seed("pathswarm-batches", seed, path_index))
         self._cache: list[np.ndarray] = []
         self._gen: Iterator[torch.Tensor] | None = None
+        self._skipping = 0  # batches still to pass over without making them (`skip`)
 
     def __iter__(self) -> PathBatches:
         return self
@@ -110,6 +113,16 @@ class PathBatches:
         if self._gen is None:
             self._gen = self._batches()
         return next(self._gen)
+
+    def skip(self, n: int) -> None:
+        """Passes over the next `n` batches (read, routed and drawn as the stream would, not stacked)."""
+        if n < 0:
+            raise ValueError(f"cannot skip {n} batches")
+        if self._gen is None:
+            self._gen = self._batches()
+        self._skipping = n
+        while self._skipping > 0:
+            next(self._gen)
 
     def _first_pass(self) -> Iterator[np.ndarray]:
         dtype = np.int32 if self.tokenizer.vocab_size < 2**31 else np.int64
@@ -165,7 +178,8 @@ class PathBatches:
             batch.append(buffer[i])
             buffer[i] = window
             if len(batch) == self.batch_size:
-                out = torch.from_numpy(np.stack(batch).astype(np.int64))
+                skipped, self._skipping = self._skipping > 0, max(0, self._skipping - 1)
+                out = None if skipped else torch.from_numpy(np.stack(batch).astype(np.int64))
                 batch = []
                 self.tokens_yielded += self.batch_size * self.seq_len
                 self.batches_yielded += 1

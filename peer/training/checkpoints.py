@@ -141,7 +141,7 @@ class PeerCheckpoints:
         """Takes a checkpoint of the peer training `path` (nothing without --checkpoint_dir) and has it
         written in the background, or before returning with `wait` (raising CheckpointError if that
         write, or one queued before it, failed); `extra_meta`: the router version it trains with
-        (`RouterFollower.meta`), its contribution."""
+        (`RouterFollower.meta`), its contribution, where its data streams stand (`PathData.positions`)."""
         if self._writer is None:
             return
         tensors = sync.state_tensors()

@@ -220,7 +220,8 @@ class Peer:
             route = self.router.route(self.outer_round, index)
         finally:
             self._adopt_artifacts()
-        self.batches = self.data.batches(index, route, self._artifact_folders(), self.step)
+        version = self.router.version_number
+        self.batches = self.data.batches(index, route, self._artifact_folders(), self.step, version)
 
     def _progress(self) -> Progress:
         progress = Progress(
@@ -376,7 +377,8 @@ class Peer:
     def checkpoint(self, wait: bool = False) -> None:
         """Checkpoints this peer as it is now, written in the background (`wait`: before returning)."""
         counters = Counters(self.step, self.outer_round, self.tokens_total, self.path_steps)
-        meta = {**self.router.meta(), "contribution": self.contribution.meta()}
+        data = self.data.positions(self.router.version_number)  # a resumed peer's data goes on from here
+        meta = {**self.router.meta(), "contribution": self.contribution.meta(), "data": data}
         self.checkpoints.save(
             counters, self.sync, self.model, self.history, run_id=self.run_id, peer_id=self.peer_id,
             path=self.path, loss=self.last_loss, extra_meta=meta, wait=wait,
@@ -400,6 +402,8 @@ class Peer:
         self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
         self.path_steps = c.path_steps
         self.contribution.restore(meta, self.peer_id)
+        if "data" in meta:
+            self.data.resume_from(meta["data"])
 
     def _hand_over(self, modules: list[str]) -> list[str]:
         """Hands `modules` (we are their last holder) to the run's keepers; returns those none took."""
