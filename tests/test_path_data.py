@@ -133,6 +133,36 @@ def test_a_path_visited_first_routes_only_documents_no_earlier_pass_read_and_tra
     assert sum(calls) > read  # the fresh stream, on its own, routes what its batches need
 
 
+def test_a_restarted_peer_routes_none_of_the_documents_its_last_life_routed(run, tmp_path):
+    manifest, tokenizer, route = run
+    calls: list[int] = []
+    before = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path)
+    first = before.batches(0, counting(route, calls), [], step=0)
+    for _ in range(3):  # part of the first pass: the index on disk covers what was read
+        next(first)
+    read, covered = sum(calls), before._streams[0].docs_seen
+    assert 0 < read <= covered < 400  # the corpus's 400 documents: some are left to read
+    index = next((tmp_path / "routes").iterdir())
+    with open(index, "ab") as f:
+        f.write(b"\x01\x02\x03")  # a record torn by the kill
+    calls.clear()
+    after = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path)  # the next life
+    after.resume_from(before.positions(router_version=0))
+    resumed = take(after.batches(0, counting(route, calls), [], step=3), 3)
+    assert sum(calls) == 0  # before, the whole way to the position was routed again
+    reference = take(fresh_stream(manifest, tokenizer, route, 0, step=0), 6)
+    for got, want in zip(resumed, reference[3:], strict=True):
+        assert torch.equal(got, want)
+    stream = after.batches(1, counting(route, calls), [], step=6)
+    moved = take(stream, 40)
+    for got, want in zip(moved, take(fresh_stream(manifest, tokenizer, route, 1, step=6), 40), strict=True):
+        assert torch.equal(got, want)
+    while after._streams[1].epoch == 0:  # a whole first pass: what the index did not cover is routed
+        next(stream)
+    assert 0 < sum(calls) <= 400 - covered
+    assert index.stat().st_size % 16 == 0
+
+
 def test_a_document_that_changed_at_its_position_is_routed_again(run):
     manifest, tokenizer, route = run
     calls: list[int] = []

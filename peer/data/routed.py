@@ -6,13 +6,26 @@ one path's first pass found out about every document holds for all of them: the 
 position in the corpus, a hash of the document's text and its path (or the eval split), and a later
 pass encodes and routes only the documents that are its own or that no pass has read. A document
 whose hash differs at its position (the corpus changed under the same route) is routed again.
+
+Given a `file` (the peer keeps one per run and router version in its checkpoint folder), what the
+index learns is appended there as it goes (16 bytes a document) and read back by the next life of
+the peer: a restarted peer reads its path's data up to where its stream stood (peer/training/
+path_data.py), and without the file it routed every document on the way again — a prefix forward
+pass each, about 4 documents for every one it trains on with 4 paths. A torn last record (a kill
+mid-write) is dropped; any other record is believed only where the text's hash at its position
+still matches.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 from array import array
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
 
 from peer.data.sources import split_of
 from peer.model.route import ROUTE_CHUNK, Route, route_documents
@@ -22,6 +35,15 @@ EVAL = -1
 #: documents an index records at most (12 bytes each): past them, of a corpus streamed from a hub
 #: that no peer reads to its end, every pass routes for itself again
 MAX_DOCUMENTS = 10_000_000
+#: one record of an index file: corpus position, the text's hash, its path
+RECORD = np.dtype([("position", "<u4"), ("hash", "<i8"), ("path", "<i4")])
+
+logger = logging.getLogger(__name__)
+
+
+def text_hash(text: str) -> int:
+    """A 64-bit hash of a document's text that every process agrees on (kept in index files)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
 class RoutedDocuments:
@@ -36,13 +58,48 @@ class RoutedDocuments:
         eval_fraction: float,
         chunk_size: int = ROUTE_CHUNK,
         max_documents: int = MAX_DOCUMENTS,
+        file: Path | None = None,
     ):
+        """`file`: where this route's index is kept between lives of the peer (read, then appended
+        to); None: in memory only."""
         self.route, self.eval_fraction, self.chunk_size = route, eval_fraction, chunk_size
         self.max_documents = max_documents
-        # Python's str hash: salted per process, which is where this index lives
         self._hashes = array("q")
         self._paths = array("i")
         self._lock = threading.Lock()
+        self.file = file
+        self._appending = None
+        if file is not None:
+            self._read(file)
+
+    def _read(self, file: Path) -> None:
+        try:
+            data = file.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            logger.warning(f"could not read the routing index {file}: {e}; routing again")
+            return
+        records = np.frombuffer(data, RECORD, count=len(data) // RECORD.itemsize)
+        # the last record of each position wins (a document that changed there was routed again)
+        order = np.argsort(records["position"], kind="stable")
+        ordered = records[order]
+        last = np.r_[ordered["position"][1:] != ordered["position"][:-1], True]
+        kept = ordered[last][: self.max_documents]
+        # positions are recorded without gaps, from the first: keep the run of them from 0
+        gaps = np.flatnonzero(kept["position"] != np.arange(len(kept)))
+        kept = kept[: gaps[0] if len(gaps) else len(kept)]
+        self._hashes.frombytes(np.ascontiguousarray(kept["hash"]).astype("<i8").tobytes())
+        self._paths.frombytes(np.ascontiguousarray(kept["path"]).astype("<i4").tobytes())
+        if len(data) % RECORD.itemsize:  # a record torn by a kill: the next appends start whole
+            with open(file, "r+b") as f:
+                f.truncate(len(data) - len(data) % RECORD.itemsize)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._appending is not None:
+                self._appending.close()
+                self._appending = None
 
     def __len__(self) -> int:
         return len(self._paths)
@@ -53,7 +110,7 @@ class RoutedDocuments:
         """(path, tokens) of the documents at positions start, start + 1, ...: the path from the
         index where it knows the text there, else from the split and the route (and recorded).
         `tokens` are given for the documents of path `wanted` (encoded once) and None otherwise."""
-        hashes = [hash(t) for t in texts]
+        hashes = [text_hash(t) for t in texts]
         known = self._known(start, hashes)
         out: list[tuple[int, list[int] | None]] = [
             (p, None) if p is not None else (EVAL, None) for p in known
@@ -80,6 +137,7 @@ class RoutedDocuments:
 
     def _record(self, start: int, found: list[tuple[int, int, int]]) -> None:
         with self._lock:
+            kept = []
             for i, h, path in found:
                 position = start + i
                 if position < len(self._paths):  # the corpus changed here: the new text's path
@@ -87,3 +145,20 @@ class RoutedDocuments:
                 elif position == len(self._paths) < self.max_documents:  # passes read in order: no gaps
                     self._hashes.append(h)
                     self._paths.append(path)
+                else:
+                    continue
+                kept.append((position, h, path))
+            if kept and self.file is not None:
+                self._append(np.array(kept, dtype=RECORD).tobytes())
+
+    def _append(self, records: bytes) -> None:
+        """Appends to the index file (no fsync: a record lost costs routing that document again)."""
+        try:
+            if self._appending is None:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                self._appending = open(self.file, "ab")  # noqa: SIM115 - kept open, closed in close()
+            self._appending.write(records)
+            self._appending.flush()
+        except OSError as e:
+            logger.warning(f"could not keep the routing index in {self.file}: {e}; kept in memory only")
+            self.file = None

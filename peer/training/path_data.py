@@ -49,11 +49,20 @@ class PathData:
 
     KEPT_PATHS = 4
 
-    def __init__(self, manifest: RunManifest, tokenizer, batch_size: int, root: Path | None, seed_of: str):
+    def __init__(
+        self,
+        manifest: RunManifest,
+        tokenizer,
+        batch_size: int,
+        root: Path | None,
+        seed_of: str,
+        index_dir: Path | None = None,
+    ):
         """`root`: where the run's local data lies (`check_data`); `seed_of`: what makes this peer's
-        data order its own (its peer id)."""
+        data order its own (its peer id); `index_dir`: where the routing index of each router version
+        is kept for the next life of the peer (its checkpoint folder; None: not kept)."""
         self.manifest, self.tokenizer, self.batch_size = manifest, tokenizer, batch_size
-        self.root, self.seed_of = root, seed_of
+        self.root, self.seed_of, self.index_dir = root, seed_of, index_dir
         self._streams: dict[int, PathBatches] = {}  # path index -> its stream, least recent first
         self._routed: RoutedDocuments | None = None  # of the latest route a stream was made with
         #: a checkpoint's positions not taken up yet: path index -> (seed, batches), and their router
@@ -73,7 +82,13 @@ class PathData:
         if stream is None or stream.route is not route:
             m = self.manifest
             if self._routed is None or self._routed.route is not route:
-                self._routed = RoutedDocuments(route, m.dataset.eval_fraction)
+                if self._routed is not None:
+                    self._routed.close()
+                file = None
+                if self.index_dir is not None:
+                    name = f"{m.run_id}-router{router_version}-eval{m.dataset.eval_fraction}.idx"
+                    file = Path(self.index_dir) / "routes" / name
+                self._routed = RoutedDocuments(route, m.dataset.eval_fraction, file=file)
             seed, skip = self._resume.pop(index, (stable_seed(self.seed_of, step), 0))
             stream = PathBatches(
                 load_documents(m.dataset, root=self.root, shard_folders=shard_folders),

@@ -129,7 +129,9 @@ class Peer:
         found = obtain_artifacts(self.dht, self.key, cfg, self.manifest, self.run_id, self.serve_limits)
         self.artifacts, self.base = found
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
-        self.data = PathData(self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id)
+        self.data = PathData(
+            self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id, cfg.checkpoint_dir
+        )
         admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device, admission
