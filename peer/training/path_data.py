@@ -97,6 +97,7 @@ class PathData:
             )  # fmt: skip
             if skip:
                 started = time.monotonic()
+                logger.info(f"reading path {index}'s data again up to where it stood: {skip} batches in")
                 stream.skip(skip)
                 logger.info(
                     f"path {index}'s data goes on after the {skip} batches its stream gave before the "
