@@ -43,7 +43,9 @@ logger = logging.getLogger(__name__)
 
 def text_hash(text: str) -> int:
     """A 64-bit hash of a document's text that every process agrees on (kept in index files)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True
+    )
 
 
 class RoutedDocuments:

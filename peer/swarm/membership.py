@@ -357,6 +357,11 @@ class Membership:
         """Announces that we are ready to average and starts the heartbeat."""
         self.ready = True
         self.publish_claim()
+        # A holder that (re)started with us (a module's holders killed at once) claimed after our first
+        # read: with none in view, each took its first round alone and their copies split (goodput churn)
+        held, ours = self.holders(), path_module_ids(self.manifest.model, self.path)
+        if any(set(held.get(m, [])) <= {self.peer_id} for m in ours):
+            self.read_claims()
         if self.manifest.sync.max_group_size or self.manifest.scheduler.replan_online:
             self.snapshot = self.build_snapshot()
         self._heartbeat = threading.Thread(target=self._beat, args=(metrics,), name="heartbeat", daemon=True)

@@ -1,0 +1,54 @@
+"""A peer's announcement that it is ready (`Membership.start`) on real DHT nodes: two holders of a
+module that (re)start at the same moment must see each other before their first round, or each
+decides that round alone and their copies split (the goodput churn arm's double kills)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dht.node import start_dht
+from monitoring.metrics import PeerMetrics
+from peer.config import PeerConfig
+from peer.model.grid import all_paths, path_module_ids
+from peer.run.record import load_verified_manifest
+from peer.swarm.membership import Membership, Progress
+from tests.swarm_harness import RUN, write_manifest
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+
+def test_a_holder_that_claimed_after_our_first_read_is_in_our_view_once_we_say_we_are_ready(tmp_path):
+    path, _ = write_manifest(tmp_path, grid=(1, 1))
+    manifest, record = load_verified_manifest(path)
+    first, first_key = start_dht(run_name=RUN, run_id=record.run_id)
+    maddrs = [str(a) for a in first.get_visible_maddrs()]
+    second, second_key = start_dht(initial_peers=maddrs, run_name=RUN, run_id=record.run_id)
+    members = []
+    try:
+        for dht, key, name in ((first, first_key, "a"), (second, second_key, "b")):
+            # heartbeats far apart: only what start() itself reads can show the other holder
+            config = PeerConfig(
+                run=RUN,
+                new_swarm=True,
+                manifest_path=path,
+                checkpoint_dir=tmp_path / name,
+                heartbeat_seconds=14.0,
+            )
+            members.append(Membership(dht, key, config, manifest, record, Progress, torch.device("cpu")))
+        a, b = members
+        only_path = all_paths(manifest.model)[0]
+        a.read_claims()  # a restarted peer reads the view, then claims its checkpoint's path
+        a.claim_path(only_path)
+        b.read_claims()
+        b.claim_path(only_path)  # the other holder, restarted at the same moment, claims after a's read
+        b.start(PeerMetrics(RUN, b.peer_id, "0", "test"))
+        a.start(PeerMetrics(RUN, a.peer_id, "0", "test"))
+        holders = a.holders()
+        for module in path_module_ids(manifest.model, only_path):
+            assert b.peer_id in holders.get(module, []), (module, holders)
+    finally:
+        for m in members:
+            m.shutdown()
+        second.shutdown()
+        first.shutdown()
