@@ -110,19 +110,20 @@ class PathBatches:
         return self
 
     def __next__(self) -> torch.Tensor:
+        return next(self._stream())
+
+    def _stream(self) -> Iterator[torch.Tensor]:
         if self._gen is None:
             self._gen = self._batches()
-        return next(self._gen)
+        return self._gen
 
     def skip(self, n: int) -> None:
         """Passes over the next `n` batches (read, routed and drawn as the stream would, not stacked)."""
         if n < 0:
             raise ValueError(f"cannot skip {n} batches")
-        if self._gen is None:
-            self._gen = self._batches()
-        self._skipping = n
+        stream, self._skipping = self._stream(), n
         while self._skipping > 0:
-            next(self._gen)
+            next(stream)
 
     def _first_pass(self) -> Iterator[np.ndarray]:
         dtype = np.int32 if self.tokenizer.vocab_size < 2**31 else np.int64

@@ -148,7 +148,7 @@ class RouterFollower:
         if found is None:
             return False
         version, record, _ = found
-        current = self.version.router_version if self.version else 0
+        current = self.version_number
         if version.router_version <= current:
             if version.router_version == current:  # keep the version alive after its publisher left
                 self._republish(record)
