@@ -37,6 +37,7 @@ KNOWN_POINTS: dict[str, str] = {
     "train.step": "each inner training step, before the optimizer step",
     "sync.receive_delta": "another member's outer gradient: header accepted, payload not yet read",
     "sync.between_frames": "sending a request: one frame written, the next not yet (dies mid-stream)",
+    "sync.push_report": "sending our signed report of a round to a member (fails as if unreachable)",
     "router.read": "a peer's read of the run's router versions from the DHT (a slow DHT)",
 }
 

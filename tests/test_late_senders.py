@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tests.sync_members import MODULE, fp32_bytes, restart, send_delta, sync_group
+from peer.sync.probe import request_report
+from tests.sync_members import MODULE, fp32_bytes, restart, run_round, send_delta, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
 pytestmark = pytest.mark.swarm
@@ -119,3 +120,48 @@ def test_a_restarted_holder_answered_after_our_report_gets_the_report_too_and_ke
         late = again.runner.start((MODULE, 0, 0), deltas[1], 1.0, [a.peer_id, again.peer_id], "0" * 64)
         ours, theirs = first.result(timeout=60), late.result(timeout=60)
     assert torch.equal(ours.delta, theirs.delta), (ours.outcome, ours.members, theirs.outcome, theirs.members)
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_holder_whose_copy_of_a_members_report_was_lost_asks_for_it_and_keeps_the_same_copy(
+    dht_factory, tmp_path, monkeypatch
+):
+    """goodput's churn arm, session 37: a survivor decided its round alone (the restarted holder was
+    unreachable at its old address), then took the restarted holder's part and answered it with its
+    own part and report; the report never arrived, the restarted holder decided on its own report
+    after the report timeout, counted both parts and averaged/2 while the survivor had applied its
+    own: split. Here every report push fails (`sync.push_report`), so the restarted holder has the
+    survivor's report only if it asks for it."""
+    monkeypatch.setenv("PATHSWARM_FAULTS", "sync.push_report=raise")
+    path = str(tmp_path / "r.key")
+    with sync_group(
+        dht_factory, 2, NUMEL, averaging_timeout=AVERAGING_TIMEOUT, report_timeout=6.0, identity_paths={1: path}
+    ) as members:
+        a, r = members
+        start_r = restart(dht_factory, members, 1, path)
+        deltas = deltas_for(2, seed=93)
+        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, [a.peer_id, r.peer_id], "0" * 64)
+        ours = first.result(timeout=60)  # alone: R is down
+        again = start_r()
+        late = again.runner.start((MODULE, 0, 0), deltas[1], 1.0, [a.peer_id, again.peer_id], "0" * 64)
+        theirs = late.result(timeout=60)
+    assert ours.outcome == "alone", (ours.outcome, ours.detail)
+    assert torch.equal(ours.delta, theirs.delta), (theirs.outcome, theirs.members, theirs.detail)
+
+
+@pytest.mark.timeout(120)
+def test_a_members_report_is_told_to_holders_of_the_module_only_and_never_before_it_is_signed(dht_factory):
+    """`Kind.REPORT_REQUEST` serves a signed report of ours: to a holder of the module, once we signed
+    it; a key without a claim on the module (a stranger scraping reports) and a round we have not
+    reported are answered with nothing."""
+    left: set[str] = set()
+    with sync_group(dht_factory, 3, NUMEL, report_timeout=2.0, left=left) as members:
+        a, b, stranger = members
+        left.add(stranger.peer_id)
+        key = (MODULE, 0, 0)
+        assert b.service.call(request_report(b.service, key, a.peer_id, 5.0), 10) is None
+        run_round([a, b], deltas_for(2, seed=94), [1.0, 1.0])
+        told = b.service.call(request_report(b.service, key, a.peer_id, 5.0), 10)
+        assert told is not None and told.reporter == a.peer_id and told.key.as_tuple() == key
+        assert stranger.service.call(request_report(stranger.service, key, a.peer_id, 5.0), 10) is None
+        assert b.service.call(request_report(b.service, (MODULE, 0, 1), a.peer_id, 5.0), 10) is None

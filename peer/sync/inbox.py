@@ -125,6 +125,8 @@ class Inbox:
         self._slots: dict[Key, _Slot] = {}
         #: the parts of decided rounds, for members that missed one the group agreed on
         self._recent: OrderedDict[Key, dict[str, Delivery]] = OrderedDict()
+        #: our own signed reports of recent rounds, for a member whose copy of the push was lost
+        self._own_reports: OrderedDict[Key, Report] = OrderedDict()
         #: module -> peer -> rounds of ours whose agreed senders included it (what an authority asks)
         self.accepted: dict[str, Counter[str]] = {}
         #: peer -> modules it said it stopped holding (moving or leaving), until it sends a part again
@@ -229,6 +231,22 @@ class Inbox:
         self._recent.move_to_end(key)
         while len(self._recent) > RECENT_ROUNDS_KEPT:
             self._recent.popitem(last=False)
+
+    def keep_own_report(self, key: Key, report: Report) -> None:
+        """Keeps our signed report of round `key` for members that ask for it (`Kind.REPORT_REQUEST`)."""
+        self._own_reports[key] = report
+        self._own_reports.move_to_end(key)
+        while len(self._own_reports) > RECENT_ROUNDS_KEPT:
+            self._own_reports.popitem(last=False)
+
+    def own_report(self, asker: str, key: Key) -> Report | None:
+        """Our report of round `key` for `asker`, a holder of its module that takes part in the run;
+        None if we have signed none (yet). Raises `Refused` for anyone else."""
+        if self.banned(asker):
+            raise Refused("banned", f"{asker} sent too many bad parts")
+        if not self.is_holder(asker, key[0]) or not self.standing.takes_part(asker):
+            raise Refused("not_holder", f"{asker} holds no claim on {key[0]}")
+        return self._own_reports.get(key)
 
     def part(self, key: Key, sender: str, digest: str) -> Delivery | None:
         """`sender`'s part of round `key` with `digest`, if we have it (live or recently decided)."""

@@ -3,6 +3,11 @@ member after `PROBE_FIRST_SECONDS`, then every `PROBE_SECONDS`, whether it answe
 query: one small frame and an ACK). A peer killed mid-round sends nothing and says nothing, but its
 host refuses the connection at once: it is not waited for up to the averaging or report timeout. A
 slow answer is no verdict (a busy peer is not a gone one).
+
+While a round waits for reports, the question is the report itself (`request_report`): a member
+whose part came but whose report did not may have signed it already and failed to push it (it dialed
+an address we no longer have: a restarted peer). Deciding without it, we would count parts its
+report leaves out while it applies the set without them: the copies split.
 """
 
 from __future__ import annotations
@@ -10,9 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import logging
+
 from peer.sync import wire
+from peer.sync.inbox import Refused
 from peer.sync.service import SyncService
-from peer.sync.wire import Kind
+from peer.sync.wire import Ack, Kind
+
+logger = logging.getLogger(__name__)
 
 #: the first question, soon after the wait began: a member killed before the round began is found
 #: within this (its host refuses the dial), instead of at the straggler bound (5 s or more)
@@ -27,10 +37,12 @@ async def probe_silent(
     silent: Callable[[], list[str]],
     failed: dict[str, str],
     deadline: float,
+    reports: bool = False,
 ) -> None:
     """Until `deadline` (the loop's clock), from PROBE_FIRST_SECONDS on, every PROBE_SECONDS asks each
-    member `silent()` names (those still awaited) whether it answers; one whose host refuses us goes
-    into `failed` as unreachable, and the round's slot is woken so that its wait looks again."""
+    member `silent()` names (those still awaited) whether it answers (`reports`: for its report of the
+    round, which goes into the slot once signed); one whose host refuses us goes into `failed` as
+    unreachable, and the round's slot is woken so that its wait looks again."""
     loop = asyncio.get_running_loop()
     slot = service.inbox.slot(key)
     query = wire.StandingQuery(run=service.run, module=key[0], peer=service.peer_id)
@@ -38,8 +50,12 @@ async def probe_silent(
 
     async def ask(member: str) -> None:
         try:
-            await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
-        except TimeoutError:
+            if not reports:
+                await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
+            elif (report := await request_report(service, key, member, PROBE_TIMEOUT_SECONDS)) is not None:
+                service.inbox.add_report(member, report)  # checked as if pushed: signed by the member
+        except (TimeoutError, Refused, wire.WireError) as e:  # it is there: slow, or its answer is bad
+            logger.debug(f"{key}: {member} did not answer our probe: {type(e).__name__}: {e}")
             return
         except Exception as e:  # the dial failed or the stream was reset: nobody is there
             if member in silent():
@@ -59,3 +75,28 @@ async def probe_silent(
     finally:
         for task in asking.values():
             task.cancel()
+
+
+async def request_report(service: SyncService, key: tuple[str, int, int], member: str, timeout: float):
+    """`member`'s own signed report of round `key`, or None while it has signed none; raises if the
+    member cannot be reached or answers outside the protocol."""
+    request = wire.ReportRequest(
+        run=service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
+    )
+
+    async def ask() -> wire.Report | None:
+        reader, writer = await service.open(member, [wire.pack_header(Kind.REPORT_REQUEST, request)], timeout)
+        try:
+            _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+            if not wire.parse(Ack, body).ok:
+                return None
+            _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
+            service.bytes_received += len(body) + 5
+            report = wire.parse(wire.Report, body)
+        finally:
+            writer.close()
+        if report.key != request.key:
+            raise wire.WireError(f"{member} sent its report of another round")
+        return report
+
+    return await asyncio.wait_for(ask(), timeout)

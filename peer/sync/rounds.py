@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codecs.formats import Codec
+from peer.faults import fault_point
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part, lagging, past_round
@@ -279,7 +280,7 @@ class RoundRunner:
         else it decides on its report alone and counts its part, which ours left out (copies split)."""
         await self._send(member, frames, deadline, failed, key, took=took)
         if (report := self.service.inbox.slot(key).reports.reports.get(self.me)) is not None:
-            await self._send(member, [wire.pack_header(Kind.REPORT, report)], deadline, {}, key, inbox=False)
+            await self._send(member, [wire.pack_header(Kind.REPORT, report)], deadline, {}, key, report=True)
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
         """Signs and sends our report, waits for the others', then relays every report we hold."""
@@ -292,9 +293,10 @@ class RoundRunner:
         )
         report = await loop.run_in_executor(None, sign_report, report, service.key, self.me)
         slot.reports.add(report)
+        inbox.keep_own_report(key, report)  # for a member our push misses (`probe.request_report`)
         deadline = loop.time() + self.settings.report_timeout_seconds
         frames = [wire.pack_header(Kind.REPORT, report)]
-        sends = [asyncio.create_task(self._send(m, frames, deadline, {}, key, inbox=False)) for m in others]
+        sends = [asyncio.create_task(self._send(m, frames, deadline, {}, key, report=True)) for m in others]
         reporters = [s for s in received if s != self.me]  # members alive enough to have sent us their Δ
         dead: dict[str, str] = {}  # a member killed after its part came: its host refuses our probe
 
@@ -306,7 +308,7 @@ class RoundRunner:
                 if r not in slot.reports.reports and r not in dead and r not in slot.sat_out
             ]
 
-        probe = asyncio.create_task(probe_silent(service, key, silent, dead, deadline))
+        probe = asyncio.create_task(probe_silent(service, key, silent, dead, deadline, reports=True))
         try:
             await inbox.wait(key, lambda slot: not silent(), deadline)
         finally:
@@ -342,17 +344,20 @@ class RoundRunner:
         deadline: float,
         failed: dict,
         key: Key,
-        inbox=True,
+        report=False,
         took: set | None = None,
     ) -> None:
         """Delivers `frames` to `member` before `deadline`. A member that refuses because the round is
         ahead of its own (it is behind us, fetching state) or because it does not know us as a holder
         yet is offered the frames again until the deadline. One that refuses because the round is
-        over for it is ahead of us ("ahead")."""
+        over for it is ahead of us ("ahead"). `report`: the frames are our report (a push that can be
+        lost: the member then asks for it, `probe.request_report`)."""
         loop = asyncio.get_running_loop()
         while True:
             remaining = deadline - loop.time()
             try:
+                if report:
+                    fault_point("sync.push_report")
                 ack = await self.service.request(member, frames, max(0.1, remaining), self._sent, key)
             except Exception as e:  # unreachable, stalled, or gone: don't wait for it
                 failed[member] = f"unreachable ({type(e).__name__})"
@@ -371,7 +376,7 @@ class RoundRunner:
                 continue
             failed[member] = "ahead" if ack.reason.startswith("stale") else f"refused ({ack.reason})"
             break
-        if inbox:
+        if not report:
             self.service.inbox.slot(key).changed.set()
 
     async def _decide(self, key, own, members, state_digest, failed, took) -> RoundResult:

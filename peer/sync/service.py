@@ -4,7 +4,7 @@
 of the DHT's P2P daemon connection (no averager processes, no DHT matchmaking). Incoming streams
 carry one request each (`peer.sync.wire`): an outer gradient for a round (into the `Inbox`), a
 member's signed report of a round, the reports another member relays (an echo), a request for a
-part the group agreed on, a request for a module's state, or a confirmation query about a state
+part the group agreed on or for our own report of a round, a request for a module's state, or a confirmation query about a state
 digest (`peer.sync.state_transfer`). Every stream has a deadline, so a peer that opens a stream and
 sends nothing (slow loris) only holds it for `stream_timeout_seconds`. The rounds themselves are run
 by `peer.sync.rounds`, on this loop.
@@ -99,8 +99,8 @@ class SyncService:
 
     async def _dispatch(self, sender: str, reader, writer) -> None:
         kinds = {
-            Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.STANDING, Kind.BYE, Kind.SIT_OUT,
-            *self.extra_handlers,
+            Kind.DELTA, Kind.REPORT, Kind.ECHO, Kind.PART_REQUEST, Kind.REPORT_REQUEST, Kind.STANDING,
+            Kind.BYE, Kind.SIT_OUT, *self.extra_handlers,
         }  # fmt: skip
         kind, body = await wire.read_frame(reader, kinds, wire.MAX_HEADER_BYTES)
         self.bytes_received += len(body) + 5
@@ -115,6 +115,9 @@ class SyncService:
                 await self._on_echo(sender, wire.parse(wire.Echo, body), reader)
             elif kind == Kind.PART_REQUEST:
                 await self._on_part_request(sender, wire.parse(wire.PartRequest, body), writer)
+                return
+            elif kind == Kind.REPORT_REQUEST:
+                await self._on_report_request(sender, wire.parse(wire.ReportRequest, body), writer)
                 return
             elif kind == Kind.BYE:
                 bye = wire.parse(wire.Bye, body)
@@ -170,6 +173,18 @@ class SyncService:
         )  # fmt: skip
         frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), wire.pack_header(Kind.DELTA, header)]
         frames.append(wire.pack(Kind.PAYLOAD, got.payload))
+        self.bytes_sent += sum(len(f) for f in frames)
+        await wire.write(writer, *frames)
+
+    async def _on_report_request(self, sender: str, request: wire.ReportRequest, writer) -> None:
+        """Sends a member our own signed report of a round (a few hundred bytes), or says we have none
+        yet: its copy of our push was lost, and without it it would count parts ours left out."""
+        self._check_run(request.run)
+        report = self.inbox.own_report(sender, request.key.as_tuple())
+        if report is None:
+            await self._ack(writer, Ack(ok=False, reason="none"))
+            return
+        frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), wire.pack_header(Kind.REPORT, report)]
         self.bytes_sent += sum(len(f) for f in frames)
         await wire.write(writer, *frames)
 

@@ -50,6 +50,7 @@ class Kind(enum.IntEnum):
     BYE = 15  # Bye: "I leave these modules now (moving or stopping): do not wait for me"; an ACK
     HELLO = 16  # Hello: "I hold these modules now: read my claim"; an ACK once the claim is seen
     SIT_OUT = 17  # SitOut: "I send nothing more for this round (I sent it already)": an ACK
+    REPORT_REQUEST = 18  # ReportRequest; answered with an ACK, then (if ok) the REPORT frame
 
 
 class WireError(ValueError):
@@ -136,6 +137,13 @@ class PartRequest(Header):
     key: RoundKey
     sender: str = Field(max_length=128)
     digest: str = Field(min_length=64, max_length=64)
+
+
+class ReportRequest(Header):
+    """Asks a member for its own signed report of a round: a member that holds its part but not its
+    report (the report's push failed) would otherwise decide without it and count other parts."""
+
+    key: RoundKey
 
 
 class AdmitRequest(Header):
