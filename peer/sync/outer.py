@@ -61,8 +61,6 @@ class PendingSync:
     futures: dict[str, object] = field(default_factory=dict)
     #: each module's own Δ at the start (error feedback added in), which it applies if its round failed
     deltas: dict[str, object] = field(default_factory=dict)
-    #: sparse codecs: each module's Δ as its payload carries it (what the group got of `deltas`)
-    sent: dict[str, object] = field(default_factory=dict)
     #: each module's state epoch at the start: a round started before a download does not apply
     epochs: dict[str, int] = field(default_factory=dict)
     #: each module's digest of the copy it reported at the start
@@ -321,12 +319,6 @@ class StreamingOuter:
             # a round without other members in our view still goes through the runner: a holder we
             # do not see yet may have sent its part already (it joins the round), and one that sends
             # it later must hear that the round was decided without it (`Inbox.check_delta_header`)
-            payload = None
-            if self.codec.spec.error_feedback and len(members) > 1:
-                # encoded once here: the unsent rest is what these bytes leave out, and the runner
-                # sends exactly them
-                payload = self.codec.encode(delta)
-                pending.sent[mid] = self.codec.decode(payload, delta.numel()).view_as(delta)
             key = (mid, fragment, ms.fragment_rounds[fragment])
             digest = ms.digest(fragment)
             if self.copies is not None:
@@ -335,7 +327,7 @@ class StreamingOuter:
             started.append((ms, fragment, digest))
             pending.epochs[mid] = ms.epoch
             pending.digests[mid] = digest
-            future = self.runner.start(key, delta, weight, members, digest, payload)
+            future = self.runner.start(key, delta, weight, members, digest)
             pending.futures[mid] = future
             future.add_done_callback(self._prepare_when_done(pending, mid, ms, fragment))
         self.pending.append(pending)
@@ -396,7 +388,8 @@ def _sent_part(pending: PendingSync, mid: str, r: RoundResult):
         return pending.deltas[mid]
     if r.outcome == "excluded":
         return None
-    return pending.sent.get(mid, pending.deltas[mid])
+    # the runner encoded our part (off this thread) and says what it carried
+    return pending.deltas[mid] if r.sent is None else r.sent.view_as(pending.deltas[mid])
 
 
 def _prepared(pending: PendingSync, mid: str, result: RoundResult) -> PreparedStep | None:
