@@ -19,12 +19,12 @@ SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer 
 (tokens in the peers' final checkpoints per second of the window: a kill's restart, the steps since
 the last checkpoint and every wait it causes count against it), `eval_loss_ratio` (each peer's
 global copy of its final path on held-out documents, averaged: what the same volunteer-seconds
-bought), `rounds_split` (a member found after a round that its copy differs from the group's, by the
-digests the next round's reports carry, and repaired or merged it) and `modules_reset` (a module
-started again from initial weights). A window, not a number of rounds per peer: with a fixed number
-of rounds each, the run lasted until the most-killed peer made up its downtime while the others
-had finished, and that tail, not the swarm's rate, set the ratio. Writes DIR/goodput.json,
-DIR/goodput.md and DIR/goodput.png.
+bought), `rounds_split` (rounds whose reports' digests showed a member's copy differing from the
+group's, repaired or merged: each such round once, however many members logged it) and
+`modules_reset` (a module started again from initial weights). A window, not a number of rounds per
+peer: with a fixed number of rounds each, the run lasted until the most-killed peer made up its
+downtime while the others had finished, and that tail, not the swarm's rate, set the ratio.
+Writes DIR/goodput.json, DIR/goodput.md and DIR/goodput.png.
 """
 
 from __future__ import annotations
@@ -55,11 +55,23 @@ from peer.model.transformer import PathModel  # noqa: E402
 from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
 
-#: what a member logs when the digests in a round's reports show its copy split from the group's
-SPLIT_MARKS = ("(it drifted); repairing it", "merged the diverged copies")
+#: what a member logs when the digests in a round's reports show its copy split from the group's:
+#: every member that merges logs it, so a split is counted once per (module, fragment, round)
+SPLIT_LINE = re.compile(
+    r"(\S+) fragment (\d+) round (\d+): (?:merged the diverged copies|our copy differs .*\(it drifted\))"
+)
 #: what a peer logs when it rotates to another path (peer.training.peer)
 MOVE_MARK = "rotating from path"
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
+
+
+def count_splits(logs: Path) -> int:
+    """Rounds whose reports showed a member's copy split from the others' (`SPLIT_LINE`), each once
+    however many of its members logged it (restarted processes' logs included)."""
+    found = set()
+    for log in logs.glob("p*.log"):
+        found |= {m.groups() for m in SPLIT_LINE.finditer(log.read_text(errors="replace"))}
+    return len(found)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -204,7 +216,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
         max_round_gap_seconds=max(gaps),
         median_round_gap_seconds=statistics.median(gaps),
         path_steps=dict(sorted(path_steps.items())),
-        rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
+        rounds_split=count_splits(folder / "logs"),
         moves=count_marks(folder / "logs", (MOVE_MARK,)),
         seconds=round(time.monotonic() - started, 1),
     )
@@ -272,7 +284,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
         tokens_per_second=tokens / args.churn_seconds,
         own_rounds={n: int(m.get("own_rounds", 0)) for n, m in metas.items()},
         eval_loss=eval_paths(args, manifest, folder, names),
-        rounds_split=count_marks(folder / "logs", SPLIT_MARKS),
+        rounds_split=count_splits(folder / "logs"),
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
         kills=kills,
         double_kills=sum(len(k["peers"]) == 2 for k in kills),

@@ -135,8 +135,9 @@ def test_a_restarted_holder_whose_copy_of_a_members_report_was_lost_asks_for_it_
     monkeypatch.setenv("PATHSWARM_FAULTS", "sync.push_report=raise")
     path = str(tmp_path / "r.key")
     with sync_group(
-        dht_factory, 2, NUMEL, averaging_timeout=AVERAGING_TIMEOUT, report_timeout=6.0, identity_paths={1: path}
-    ) as members:
+        dht_factory, 2, NUMEL, averaging_timeout=AVERAGING_TIMEOUT, report_timeout=6.0,
+        identity_paths={1: path},
+    ) as members:  # fmt: skip
         a, r = members
         start_r = restart(dht_factory, members, 1, path)
         deltas = deltas_for(2, seed=93)

@@ -39,7 +39,7 @@ from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, 
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
-from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
+from peer.sync.settling import SETTLING_ROUNDS, merge_note, repair_note, settle, went_on_without_us
 from peer.sync.standing import Standing
 from peer.sync.state_fetch import fetch_module_state
 from peer.sync.state_transfer import StateHistory, install_state_handlers
@@ -248,8 +248,7 @@ class PathSync:
                 f"{mid} fragment {fragment}: left out of the average: {result.dropped}",
             )
         if result.repair_from:
-            why = "just after joining, as expected" if level == logging.INFO else "it drifted"
-            logger.log(level, f"{mid}: our copy differs from the one the group keeps ({why}); repairing it")
+            logger.log(level, repair_note(ms, fragment, level))
             self.fetch_state(ms, result.repair_from)
 
     def _merge(self, ms: ModuleSync, fragment: int, own_digest: str, reported: dict[str, str]) -> None:

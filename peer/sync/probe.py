@@ -13,9 +13,8 @@ report leaves out while it applies the set without them: the copies split.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-
 import logging
+from collections.abc import Callable
 
 from peer.sync import wire
 from peer.sync.inbox import Refused

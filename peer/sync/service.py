@@ -4,10 +4,10 @@
 of the DHT's P2P daemon connection (no averager processes, no DHT matchmaking). Incoming streams
 carry one request each (`peer.sync.wire`): an outer gradient for a round (into the `Inbox`), a
 member's signed report of a round, the reports another member relays (an echo), a request for a
-part the group agreed on or for our own report of a round, a request for a module's state, or a confirmation query about a state
-digest (`peer.sync.state_transfer`). Every stream has a deadline, so a peer that opens a stream and
-sends nothing (slow loris) only holds it for `stream_timeout_seconds`. The rounds themselves are run
-by `peer.sync.rounds`, on this loop.
+part the group agreed on or for our own report of a round, a request for a module's state, or a
+confirmation query about a state digest (`peer.sync.state_transfer`). Every stream has a deadline,
+so a peer that opens a stream and sends nothing (slow loris) only holds it for
+`stream_timeout_seconds`. The rounds themselves are run by `peer.sync.rounds`, on this loop.
 """
 
 from __future__ import annotations

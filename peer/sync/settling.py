@@ -19,7 +19,7 @@ from peer.sync.agreement import LEFT
 from peer.sync.module_sync import SETTLING_ROUNDS, ModuleSync
 from peer.sync.rounds import RoundResult
 
-__all__ = ["SETTLING_ROUNDS", "first_rounds", "merge_note", "settle", "went_on_without_us"]
+__all__ = ["SETTLING_ROUNDS", "first_rounds", "merge_note", "repair_note", "settle", "went_on_without_us"]
 
 
 def first_rounds(ms: ModuleSync) -> bool:
@@ -46,7 +46,11 @@ def merge_note(ms: ModuleSync, fragment: int, copies: int, members: int) -> tupl
     """How a merge of copies that no majority held is logged. In the module's first rounds with its
     group it is how holders that each started alone meet: INFO, in plain words. After that, copies
     that had been in step split (a healed partition, or a fault): a maintainer must see it."""
-    head = f"{ms.module_id} fragment {fragment}: merged the diverged copies of {members} members"
+    # the round whose reports showed it (not applied yet): one count per split in benchmarks.goodput
+    head = (
+        f"{ms.module_id} fragment {fragment} round {ms.fragment_rounds[fragment]}: merged the diverged "
+        f"copies of {members} members"
+    )
     if first_rounds(ms):
         return logging.INFO, (
             f"{head} ({copies} copies: its holders took their first rounds before they saw each other, "
@@ -55,6 +59,17 @@ def merge_note(ms: ModuleSync, fragment: int, copies: int, members: int) -> tupl
     return logging.WARNING, (
         f"{head}: {copies} copies that had been in step split and no majority holds one (a healed "
         "partition or a fault; see docs/sync-protocol.md)"
+    )
+
+
+def repair_note(ms: ModuleSync, fragment: int, level: int) -> str:
+    """How a repair is logged, once the round whose reports showed our copy outside the group's
+    majority was applied (`level` from `settle`: INFO just after a join, where it is expected)."""
+    why = "just after joining, as expected" if level == logging.INFO else "it drifted"
+    done = ms.fragment_rounds[fragment] - 1
+    return (
+        f"{ms.module_id} fragment {fragment} round {done}: our copy differs from the one the group keeps "
+        f"({why}); repairing it"
     )
 
 
