@@ -127,7 +127,7 @@ def test_a_restarted_holder_whose_copy_of_a_members_report_was_lost_asks_for_it_
     dht_factory, tmp_path, monkeypatch
 ):
     """goodput's churn arm, session 37: a survivor decided its round alone (the restarted holder was
-    unreachable at its old address), then took the restarted holder's part and answered it with its
+    still down), then took the restarted holder's part and answered it with its
     own part and report; the report never arrived, the restarted holder decided on its own report
     after the report timeout, counted both parts and averaged/2 while the survivor had applied its
     own: split. Here every report push fails (`sync.push_report`), so the restarted holder has the

@@ -5,8 +5,8 @@ host refuses the connection at once: it is not waited for up to the averaging or
 slow answer is no verdict (a busy peer is not a gone one).
 
 While a round waits for reports, the question is the report itself (`request_report`): a member
-whose part came but whose report did not may have signed it already and failed to push it (it dialed
-an address we no longer have: a restarted peer). Deciding without it, we would count parts its
+whose part came but whose report did not may have signed it already and failed to push it (we were
+down, or restarting, when it tried). Deciding without it, we would count parts its
 report leaves out while it applies the set without them: the copies split.
 """
 
@@ -53,11 +53,11 @@ async def probe_silent(
                 await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
             elif (report := await request_report(service, key, member, PROBE_TIMEOUT_SECONDS)) is not None:
                 service.inbox.add_report(member, report)  # checked as if pushed: signed by the member
-        except (TimeoutError, Refused, wire.WireError) as e:  # it is there: slow, or its answer is bad
-            logger.debug(f"{key}: {member} did not answer our probe: {type(e).__name__}: {e}")
-            return
-        except Exception as e:  # the dial failed or the stream was reset: nobody is there
-            if member in silent():
+        except Exception as e:
+            if isinstance(e, TimeoutError) or (reports and isinstance(e, (Refused, wire.WireError))):
+                logger.debug(f"{key}: {member} is slow, or sent a report we refuse: {type(e).__name__}: {e}")
+                return
+            if member in silent():  # the dial failed or the stream was reset: nobody is there
                 failed.setdefault(member, f"unreachable (stopped answering: {type(e).__name__})")
                 slot.changed.set()
 
@@ -86,7 +86,10 @@ async def request_report(service: SyncService, key: tuple[str, int, int], member
     async def ask() -> wire.Report | None:
         reader, writer = await service.open(member, [wire.pack_header(Kind.REPORT_REQUEST, request)], timeout)
         try:
-            _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+            try:
+                _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return None  # it took the stream and closed it: there, but not answering this (an older peer)
             if not wire.parse(Ack, body).ok:
                 return None
             _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)

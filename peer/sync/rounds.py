@@ -174,7 +174,7 @@ class RoundRunner:
                 return RoundResult("excluded", torch.zeros_like(own), 1, detail=VOID, members=[self.me])
             return RoundResult("alone", own, 1, detail="sent already; nobody got past it", members=[self.me])
         token = inbox.standing.own_token
-        # encoded here, off the training thread (sparse codecs' top-k costs it ~8% in the WAN lab)
+        # encoded here, off the training thread (a sparse codec's top-k is no training step's business)
         payload = await loop.run_in_executor(None, self.codec.encode, own)
         # on disk before the part leaves: a restart must never send and sign this round again
         await loop.run_in_executor(None, self.sent.record, *key)

@@ -177,7 +177,7 @@ class SyncService:
         await wire.write(writer, *frames)
 
     async def _on_report_request(self, sender: str, request: wire.ReportRequest, writer) -> None:
-        """Sends a member our own signed report of a round (a few hundred bytes), or says we have none
+        """Sends a member our own signed report of a round (about a kilobyte), or says we have none
         yet: its copy of our push was lost, and without it it would count parts ours left out."""
         self._check_run(request.run)
         report = self.inbox.own_report(sender, request.key.as_tuple())
