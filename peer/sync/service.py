@@ -27,6 +27,7 @@ from dht.background_loop import BackgroundLoop
 from peer.faults import fault_point
 from peer.sync import wire
 from peer.sync.inbox import Delivery, Inbox, Refused, delivery_digest
+from peer.sync.refusal_log import RefusalLog
 from peer.sync.wire import Ack, Kind
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class SyncService:
         self.extra_handlers = dict(handlers or {})
         #: refused messages by reason; read by the peer's metrics
         self.refused: Counter[str] = Counter()
+        #: what is said of them: once a minute per reason (a stranger's requests cannot fill the log)
+        self.refusal_log = RefusalLog()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._closing = False  # set on shutdown: streams still arriving are closed unread
@@ -140,7 +143,7 @@ class SyncService:
             self.refused[e.reason] += 1
             self.inbox.strike(sender, e.reason)
             if e.reason not in ("stale", "ahead", "banned"):
-                logger.warning(f"refused a {kind.name.lower()} from {sender}: {e}")
+                self.refusal_log.refused(e.reason, kind.name.lower(), sender, e)
             await self._ack(writer, Ack(ok=False, reason=str(e)[:256]))
             return
         await self._ack(writer, Ack(ok=True))
