@@ -227,25 +227,24 @@ class Inbox:
 
     def keep_parts(self, key: Key, parts: dict[str, Delivery]) -> None:
         """Keeps the parts a round agreed on a while, for members that missed some of them."""
-        self._recent[key] = dict(parts)
-        self._recent.move_to_end(key)
-        while len(self._recent) > RECENT_ROUNDS_KEPT:
-            self._recent.popitem(last=False)
+        _keep_latest(self._recent, key, dict(parts))
 
     def keep_own_report(self, key: Key, report: Report) -> None:
         """Keeps our signed report of round `key` for members that ask for it (`Kind.REPORT_REQUEST`)."""
-        self._own_reports[key] = report
-        self._own_reports.move_to_end(key)
-        while len(self._own_reports) > RECENT_ROUNDS_KEPT:
-            self._own_reports.popitem(last=False)
+        _keep_latest(self._own_reports, key, report)
+
+    def check_asker(self, asker: str, module: str) -> None:
+        """Raises `Refused` unless `asker` holds a claim on `module` and may take part in the run:
+        what a round's parts and reports are served to."""
+        if not self.is_holder(asker, module) or not self.standing.takes_part(asker):
+            raise Refused("not_holder", f"{asker} holds no claim on {module}")
 
     def own_report(self, asker: str, key: Key) -> Report | None:
-        """Our report of round `key` for `asker`, a holder of its module that takes part in the run;
-        None if we have signed none (yet). Raises `Refused` for anyone else."""
+        """Our report of round `key` for `asker` (`check_asker`, not banned); None if we have signed
+        none (yet)."""
         if self.banned(asker):
             raise Refused("banned", f"{asker} sent too many bad parts")
-        if not self.is_holder(asker, key[0]) or not self.standing.takes_part(asker):
-            raise Refused("not_holder", f"{asker} holds no claim on {key[0]}")
+        self.check_asker(asker, key[0])
         return self._own_reports.get(key)
 
     def part(self, key: Key, sender: str, digest: str) -> Delivery | None:
@@ -438,3 +437,11 @@ class Inbox:
             except TimeoutError:
                 pass
         return True
+
+
+def _keep_latest(store: OrderedDict, key: Key, value) -> None:
+    """`store[key] = value`, newest last, the oldest dropped past `RECENT_ROUNDS_KEPT` rounds."""
+    store[key] = value
+    store.move_to_end(key)
+    while len(store) > RECENT_ROUNDS_KEPT:
+        store.popitem(last=False)

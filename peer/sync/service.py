@@ -165,8 +165,7 @@ class SyncService:
         """Sends a member the part of a round it missed, as its sender sent it to us."""
         self._check_run(request.run)
         key = request.key.as_tuple()
-        if not self.inbox.is_holder(sender, key[0]) or not self.inbox.standing.takes_part(sender):
-            raise Refused("not_holder", f"{sender} holds no claim on {key[0]}")
+        self.inbox.check_asker(sender, key[0])
         got = self.inbox.part(key, request.sender, request.digest)
         if got is None:
             raise Refused("unknown", "no such part here")
