@@ -40,7 +40,7 @@ def storage_node(schema: RecordSchemaValidator, initial_peers: list[str] | None 
     return hivemind.DHT(initial_peers=initial_peers, record_validators=validators, **LOOPBACK, **kw)
 
 
-async def _reply_sizes(key: str, timeout: float, peers: list | None, _dht, node) -> list[tuple[int, int]]:
+async def _replies(key: str, timeout: float, peers: list | None, _dht, node) -> list[tuple[int, list[dict]]]:
     key_id = DHTID.generate(source=key)
     protocol = node.protocol
     if peers is None:
@@ -53,8 +53,12 @@ async def _reply_sizes(key: str, timeout: float, peers: list | None, _dht, node)
         except Exception:  # a node that cannot answer sends no reply to measure
             continue
         result = response.results[0]
-        found = result.type == dht_pb2.FOUND_DICTIONARY
-        out.append((response.ByteSize(), len(MSGPackSerializer.loads(result.value)) if found else 0))
+        records = []
+        if result.type == dht_pb2.FOUND_DICTIONARY:
+            for _, item in MSGPackSerializer.loads(result.value).items():
+                signed = item.value if isinstance(item.value, bytes) else bytes(item.value)
+                records.append(MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", signed)))
+        out.append((response.ByteSize(), records))
     return out
 
 
@@ -63,4 +67,11 @@ def reply_sizes(
 ) -> list[tuple[int, int]]:
     """(bytes, records) of each reply to a lookup of `key` asked of `peers` (hivemind PeerIDs; by
     default the nodes `dht` knows nearest to the key)."""
-    return dht.run_coroutine(partial(_reply_sizes, key, timeout, peers))
+    return [(size, len(records)) for size, records in reply_records(dht, key, peers, timeout)]
+
+
+def reply_records(
+    dht: hivemind.DHT, key: str, peers: list | None = None, timeout: float = 30.0
+) -> list[tuple[int, list[dict]]]:
+    """As `reply_sizes`, with the records of each reply decoded (their signatures stripped)."""
+    return dht.run_coroutine(partial(_replies, key, timeout, peers))

@@ -19,8 +19,18 @@ PROBE_TTL_SECONDS = 300.0
 STASH_TTL_SECONDS = 300.0
 #: Peers re-publish which artifacts (base checkpoint, ...) they serve; their record lives this long.
 ARTIFACTS_TTL_SECONDS = 300.0
-#: Every peer holding a verified manifest re-publishes it this often, with this TTL.
+#: Every peer holding a verified manifest re-publishes it with this TTL (peer/swarm/membership.py says
+#: how often).
 MANIFEST_TTL_SECONDS = 300.0
+#: A DHT node keeps at most this many copies under a run name's manifest key (dht/shard_store.py
+#: chooses which), of which copies of other runs by the same name (anyone can create one) take at most
+#: MAX_OTHER_RUN_MANIFESTS on a node of the run. Every peer re-publishes the manifest under its own
+#: subkey and a find answers with every copy: uncapped, one find of a 4-peer run's 13 kB manifest
+#: carried 60 kB (a store's traversal makes several), and the key outgrew hivemind's 4 MiB message at
+#: ~85 peers with a 48 KiB manifest, or at once under 90 free keys re-publishing it, after which no
+#: joiner could read the run. A copy is the creator's signed record whoever stores it: a few suffice.
+MAX_MANIFEST_COPIES = 8
+MAX_OTHER_RUN_MANIFESTS = 2
 #: A router version (`pathswarm run reroute`) is re-published by the peers that switched to it.
 ROUTER_TTL_SECONDS = 300.0
 #: A peer re-publishes its signed contribution totals (peer/swarm/contribution.py) this often, and at

@@ -6,8 +6,10 @@ fields without breaking older ones, but a record whose known fields are malforme
 
 from __future__ import annotations
 
+import hashlib
 import re
 
+from hivemind.utils.crypto import RSAPublicKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -46,6 +48,18 @@ class ManifestRecord(Record):
         if not _HEX64.match(v):
             raise ValueError("run_id must be 64 lowercase hex characters")
         return v
+
+    def unsigned_because(self) -> str | None:
+        """Why this record is not its creator's (a hash or signature that does not check), or None.
+        Checked by every DHT node of a run before it stores a copy, and by every reader again."""
+        if hashlib.sha256(self.manifest_json.encode()).hexdigest() != self.run_id:
+            return "manifest hash does not match its run id"
+        try:
+            creator = RSAPublicKey.from_bytes(self.creator_public_key)
+            valid = creator.verify(self.run_id.encode(), self.signature)
+        except Exception as e:
+            return f"unreadable creator key or signature: {e}"
+        return None if valid else "creator signature does not verify"
 
 
 class ClaimRecord(Record):

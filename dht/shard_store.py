@@ -7,7 +7,8 @@ that key gets nothing. Under a capped key (a run's claim shards, registered by
 at a full key, the node keeps the higher ranked of it and its lowest ranked record:
 
 1. records whose admission token the run's creator signed (`admitted(peer_id, token)`) first: keys
-   cost nothing, a creator's signature does;
+   cost nothing, a creator's signature does (under the manifest key: copies of this node's own run's
+   manifest, which only its creator could sign);
 2. then by a hash of the owner key salted with a secret this node draws at start, so each node keeps
    a different sample of the rest and nobody can choose a key that wins everywhere.
 
@@ -59,14 +60,21 @@ class SubkeyCap:
         admitted: Admitted | None = None,
         admitted_only: bool = False,
         unadmitted_cap: int | None = None,
+        first: Callable[[dict], bool] | None = None,
     ):
-        if admitted_only and admitted is None:
+        """`admitted(peer_id, token)` ranks first the records whose `peer_id` the run admitted by
+        their `admission` token (claims); `first(record)` is any other such rule on the decoded record
+        (a manifest of this node's own run). "Admitted" below means ranked first by either."""
+        if admitted is not None and first is not None:
+            raise ValueError("rank records first by admission or by another rule, not both")
+        if admitted_only and admitted is None and first is None:
             raise ValueError("admitted_only needs the run's admission check (admitted)")
         self.keys = {DHTID.from_bytes(k) for k in keys}
         self.cap = cap
         #: places of a key holding admitted records that records without admission may take
         self.unadmitted_cap = cap if unadmitted_cap is None else min(cap, unadmitted_cap)
         self.admitted = admitted
+        self.first = first
         self.admitted_only = admitted_only
         self._salt = os.urandom(16)
         self._ranks: dict[tuple[DHTID, object], tuple[bool, bytes]] = {}
@@ -82,10 +90,13 @@ class SubkeyCap:
         """(admitted, salted hash of the owner) of a record now being stored: higher is kept.
         Remembered per owner, so that a full key's lowest rank costs lookups, not decodes."""
         admitted = False
-        if self.admitted is not None:
+        if self.admitted is not None or self.first is not None:
             try:
                 record = MSGPackSerializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
-                admitted = bool(self.admitted(str(record["peer_id"]), str(record.get("admission", ""))))
+                if self.first is not None:
+                    admitted = bool(self.first(record))
+                else:
+                    admitted = bool(self.admitted(str(record["peer_id"]), str(record.get("admission", ""))))
             except Exception:  # a record this node could not rank is ranked last, never trusted
                 admitted = False
         owner = subkey if isinstance(subkey, bytes) else repr(subkey).encode()

@@ -9,8 +9,10 @@ signed by that peer's own key. A claim has caps of its own, each checked before 
 `MAX_CLAIM_EXTRA_FIELDS` fields this release does not know, short module ids (the schema), a lifetime
 of at most `MAX_CLAIM_TTL_SECONDS`, and stored under the shard of its own path; the validator also
 caps how many claims a node keeps per shard, and in an invite run keeps none without admission
-(dht/shard_store.py). Both run inside the DHT process on
-every store and on every record a get returns, so forged or malformed records never reach the peer.
+(dht/shard_store.py). A manifest copy is stored only if its creator's signature and hash check, and a
+node keeps at most `MAX_MANIFEST_COPIES` of them per run name, its own run's first. Both run inside
+the DHT process on every store and on every record a get returns, so forged or malformed records
+never reach the peer.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from dht.keys import (
     MAX_CLAIM_BYTES,
     MAX_CLAIM_TTL_SECONDS,
     MAX_CLAIMS_PER_SHARD,
+    MAX_MANIFEST_COPIES,
+    MAX_OTHER_RUN_MANIFESTS,
     MAX_RECORD_TTL_SECONDS,
     MAX_UNADMITTED_CLAIMS_PER_SHARD,
     claim_shard,
     run_keys,
 )
-from dht.schema import SCHEMAS, ClaimRecord
+from dht.schema import SCHEMAS, ClaimRecord, ManifestRecord
 from dht.shard_store import Admitted, SubkeyCap, cap_keys
 
 logger = logging.getLogger(__name__)
@@ -77,8 +81,10 @@ class RecordSchemaValidator(RecordValidatorBase):
         self.admitted = admitted
         self.admitted_only = admitted_only
         self.max_claims_per_shard = max_claims_per_shard
+        self.run_id = run_id
         self._schema_by_key = {}
         self._shard_by_key: dict[bytes, int] = {}
+        self._manifest_key = DHTID.generate(source=run_keys(run_name, None)["manifest"]).to_bytes()
         for kind, key in run_keys(run_name, run_id).items():
             key_id = DHTID.generate(source=key).to_bytes()
             if kind.startswith("claim"):
@@ -86,9 +92,20 @@ class RecordSchemaValidator(RecordValidatorBase):
                 self._shard_by_key[key_id] = int(kind[len("claim") :])
             else:
                 self._schema_by_key[key_id] = SCHEMAS[kind]
-        self._cap_claims()
+        self._cap_keys()
 
-    def _cap_claims(self) -> None:
+    def _cap_keys(self) -> None:
+        """Registers this process's storage caps: the run's claim shards, and its manifest key (copies
+        of this run's manifest first, where the run is known)."""
+        run_id = self.run_id
+        cap_keys(
+            SubkeyCap(
+                [self._manifest_key],
+                MAX_MANIFEST_COPIES,
+                first=None if run_id is None else (lambda record: record.get("run_id") == run_id),
+                unadmitted_cap=MAX_OTHER_RUN_MANIFESTS if run_id is not None else None,
+            )
+        )
         if self._shard_by_key:
             cap = SubkeyCap(
                 list(self._shard_by_key),
@@ -100,9 +117,9 @@ class RecordSchemaValidator(RecordValidatorBase):
             cap_keys(cap)
 
     def __setstate__(self, state: dict) -> None:
-        # sent to the DHT process by `add_validators`: its storage caps the claim shards there
+        # sent to the DHT process by `add_validators`: its storage caps the run's keys there
         self.__dict__.update(state)
-        self._cap_claims()
+        self._cap_keys()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.expiration_time > get_dht_time() + self.max_ttl_seconds:
@@ -122,6 +139,9 @@ class RecordSchemaValidator(RecordValidatorBase):
             parsed = schema.model_validate(value)
         except (ValidationError, ValueError, TypeError) as e:
             logger.debug(f"refused a malformed {schema.__name__}: {e}")
+            return False
+        if isinstance(parsed, ManifestRecord) and (unsigned := parsed.unsigned_because()) is not None:
+            logger.debug(f"refused a manifest copy: {unsigned}")  # anyone can publish under a run name
             return False
         claimed = getattr(parsed, "peer_id", None)
         if claimed is not None and claimed != owner_peer_id(record.subkey):
@@ -164,6 +184,7 @@ class RecordSchemaValidator(RecordValidatorBase):
             return False
         self._schema_by_key.update(other._schema_by_key)
         self._shard_by_key.update(other._shard_by_key)
+        self.run_id = other.run_id or self.run_id
         self.admitted = other.admitted or self.admitted
         self.admitted_only = other.admitted_only or self.admitted_only
         self.max_ttl_seconds = min(self.max_ttl_seconds, other.max_ttl_seconds)

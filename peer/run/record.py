@@ -8,11 +8,10 @@ pin), for the peer, the bootstrap node and the offline commands alike.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from dht.schema import ManifestRecord
@@ -43,15 +42,9 @@ def sign_manifest(manifest: RunManifest, key: RSAPrivateKey) -> ManifestRecord:
 
 def verify_record(record: ManifestRecord) -> RunManifest:
     """The manifest inside a record, or ValueError saying why it cannot be trusted."""
-    if hashlib.sha256(record.manifest_json.encode()).hexdigest() != record.run_id:
-        raise ValueError("manifest hash does not match its run id")
-    try:
-        public_key = RSAPublicKey.from_bytes(record.creator_public_key)
-        valid = public_key.verify(record.run_id.encode(), record.signature)
-    except Exception as e:
-        raise ValueError(f"unreadable creator key or signature: {e}") from e
-    if not valid:
-        raise ValueError("creator signature does not verify")
+    unsigned = record.unsigned_because()
+    if unsigned is not None:
+        raise ValueError(unsigned)
     try:
         manifest = RunManifest.model_validate_json(record.manifest_json)
     except ValidationError as e:
