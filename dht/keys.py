@@ -31,6 +31,20 @@ MANIFEST_TTL_SECONDS = 300.0
 #: joiner could read the run. A copy is the creator's signed record whoever stores it: a few suffice.
 MAX_MANIFEST_COPIES = 8
 MAX_OTHER_RUN_MANIFESTS = 2
+#: The run's other keys hold one record per peer too, and a find answers with all of them: per kind,
+#: (records a DHT node keeps under the key, bytes of one record serialized without its signature).
+#: Each bound is a legitimate record's largest by its schema, and records times (bytes plus an owner
+#: key and a signature) stays under 2.3 MiB, below hivemind's 4 MiB message, whatever a flood of free
+#: keys publishes: uncapped, 16 keys' stash records of 256 KiB blinded every keeper of a run. A node
+#: keeps admitted owners' records first (`admission`, or the creator's own key) and lets owners without
+#: admission take at most a quarter of a key that holds admitted ones (dht/shard_store.py).
+RECORD_LIMITS: dict[str, tuple[int, int]] = {
+    "probe": (128, 16 * 1024),
+    "stash": (8, 256 * 1024),
+    "artifacts": (256, 4 * 1024),
+    "router": (64, 10 * 1024),
+    "contribution": (256, 6 * 1024),
+}
 #: A router version (`pathswarm run reroute`) is re-published by the peers that switched to it.
 ROUTER_TTL_SECONDS = 300.0
 #: A peer re-publishes its signed contribution totals (peer/swarm/contribution.py) this often, and at

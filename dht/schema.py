@@ -144,6 +144,9 @@ class ProbeRecord(Record):
     #: other peer id -> [one-way latency in seconds, bandwidth in bytes per second]
     links: dict[str, list[float]] = Field(default_factory=dict, max_length=64)
     injected: bool = False
+    #: the peer's admission to the run ("" while it has none): DHT nodes keep admitted peers' probes
+    #: first when a flood fills the key (dht/shard_store.py); readers never trust it unverified
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
     @field_validator("links")
     @classmethod
@@ -185,6 +188,8 @@ class ArtifactsRecord(Record):
 
     peer_id: str = Field(min_length=1, max_length=128)
     sha256s: list[str] = Field(default_factory=list, max_length=16)
+    #: the peer's admission to the run ("" while it has none), as in ProbeRecord
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
     @field_validator("sha256s")
     @classmethod

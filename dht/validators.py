@@ -39,6 +39,7 @@ from dht.keys import (
     MAX_OTHER_RUN_MANIFESTS,
     MAX_RECORD_TTL_SECONDS,
     MAX_UNADMITTED_CLAIMS_PER_SHARD,
+    RECORD_LIMITS,
     claim_shard,
     run_keys,
 )
@@ -62,8 +63,9 @@ class RecordSchemaValidator(RecordValidatorBase):
 
     `admitted(peer_id, token)` (the run's `AdmissionCheck.admitted`, where the manifest is known)
     ranks claims from admitted peers first when a node must choose which claims of a shard it keeps
-    (at most `max_claims_per_shard`: tests flood a smaller shard; `max_claim_ttl_seconds`: the
-    claims_scale benchmark publishes 100,000 claims once, which two cores cannot renew every minute).
+    (at most `max_claims_per_shard`: tests flood a smaller shard, as they do the other per-peer keys
+    with `record_limits`; `max_claim_ttl_seconds`: the claims_scale benchmark publishes 100,000
+    claims once, which two cores cannot renew every minute).
     `admitted_only` (an invite run): a node stores no claim whose admission `admitted` refuses."""
 
     def __init__(
@@ -75,6 +77,7 @@ class RecordSchemaValidator(RecordValidatorBase):
         max_claims_per_shard: int = MAX_CLAIMS_PER_SHARD,
         max_claim_ttl_seconds: float = MAX_CLAIM_TTL_SECONDS,
         admitted_only: bool = False,
+        record_limits: dict[str, tuple[int, int]] = RECORD_LIMITS,
     ):
         self.max_ttl_seconds = max_ttl_seconds
         self.max_claim_ttl_seconds = max_claim_ttl_seconds
@@ -84,6 +87,8 @@ class RecordSchemaValidator(RecordValidatorBase):
         self.run_id = run_id
         self._schema_by_key = {}
         self._shard_by_key: dict[bytes, int] = {}
+        #: the run's other per-peer keys: (records a node keeps, bytes of one record)
+        self._limits_by_key: dict[bytes, tuple[int, int]] = {}
         self._manifest_key = DHTID.generate(source=run_keys(run_name, None)["manifest"]).to_bytes()
         for kind, key in run_keys(run_name, run_id).items():
             key_id = DHTID.generate(source=key).to_bytes()
@@ -92,11 +97,13 @@ class RecordSchemaValidator(RecordValidatorBase):
                 self._shard_by_key[key_id] = int(kind[len("claim") :])
             else:
                 self._schema_by_key[key_id] = SCHEMAS[kind]
+            if kind in record_limits:
+                self._limits_by_key[key_id] = record_limits[kind]
         self._cap_keys()
 
     def _cap_keys(self) -> None:
-        """Registers this process's storage caps: the run's claim shards, and its manifest key (copies
-        of this run's manifest first, where the run is known)."""
+        """Registers this process's storage caps: the run's claim shards, its manifest key (copies of
+        this run's manifest first, where the run is known) and its other per-peer keys."""
         run_id = self.run_id
         cap_keys(
             SubkeyCap(
@@ -106,6 +113,8 @@ class RecordSchemaValidator(RecordValidatorBase):
                 unadmitted_cap=MAX_OTHER_RUN_MANIFESTS if run_id is not None else None,
             )
         )
+        for key_id, (records, _) in self._limits_by_key.items():
+            cap_keys(SubkeyCap([key_id], records, self.admitted, unadmitted_cap=max(1, records // 4)))
         if self._shard_by_key:
             cap = SubkeyCap(
                 list(self._shard_by_key),
@@ -134,6 +143,9 @@ class RecordSchemaValidator(RecordValidatorBase):
         shard = self._shard_by_key.get(record.key)
         if shard is not None and not self._claim_fits(record):
             return False
+        limits = self._limits_by_key.get(record.key)
+        if limits is not None and not self._fits(record, limits[1], schema.__name__):
+            return False
         try:
             value = MSGPackSerializer.loads(record.value)
             parsed = schema.model_validate(value)
@@ -151,13 +163,20 @@ class RecordSchemaValidator(RecordValidatorBase):
             return False
         return True
 
-    def _claim_fits(self, record: DHTRecord) -> bool:
-        """A claim's caps that need no parsing: its length, its owner key's, its lifetime."""
-        if len(record.value) > MAX_CLAIM_BYTES:
-            logger.debug(f"refused a claim of {len(record.value)} bytes (cap {MAX_CLAIM_BYTES})")
+    @staticmethod
+    def _fits(record: DHTRecord, max_bytes: int, kind: str) -> bool:
+        """A record's length and its owner key's, which need no parsing."""
+        if len(record.value) > max_bytes:
+            logger.debug(f"refused a {kind} of {len(record.value)} bytes (cap {max_bytes})")
             return False
         if len(record.subkey) > MAX_OWNER_SUBKEY_BYTES:
-            logger.debug(f"refused a claim whose owner key takes {len(record.subkey)} bytes")
+            logger.debug(f"refused a {kind} whose owner key takes {len(record.subkey)} bytes")
+            return False
+        return True
+
+    def _claim_fits(self, record: DHTRecord) -> bool:
+        """A claim's caps that need no parsing: its length, its owner key's, its lifetime."""
+        if not self._fits(record, MAX_CLAIM_BYTES, "claim"):
             return False
         if record.expiration_time > get_dht_time() + self.max_claim_ttl_seconds:
             logger.debug(f"refused a claim that lives longer than {self.max_claim_ttl_seconds:.0f} s")
@@ -184,6 +203,7 @@ class RecordSchemaValidator(RecordValidatorBase):
             return False
         self._schema_by_key.update(other._schema_by_key)
         self._shard_by_key.update(other._shard_by_key)
+        self._limits_by_key.update(other._limits_by_key)
         self.run_id = other.run_id or self.run_id
         self.admitted = other.admitted or self.admitted
         self.admitted_only = other.admitted_only or self.admitted_only

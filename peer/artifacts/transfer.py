@@ -110,11 +110,16 @@ class ArtifactService:
             logger.debug(f"artifact request from {context.remote_id}: {type(e).__name__}: {e}")
         return runtime_pb2.Tensor(buffer=reply)
 
-    def publish(self, dht: hivemind.DHT, key: RSAPrivateKey, run_name: str, run_id: str) -> None:
-        """Says in the DHT which artifacts we serve (at most every REPUBLISH_SECONDS)."""
+    def publish(
+        self, dht: hivemind.DHT, key: RSAPrivateKey, run_name: str, run_id: str, admission: str = ""
+    ) -> None:
+        """Says in the DHT which artifacts we serve (at most every REPUBLISH_SECONDS), with our
+        admission to the run if we have one (nodes keep admitted servers first under a flood)."""
         if not self._offered or time.monotonic() - self._published_at < REPUBLISH_SECONDS:
             return
-        record = ArtifactsRecord(peer_id=self.peer_id, sha256s=sorted(self._offered)[:16])
+        record = ArtifactsRecord(
+            peer_id=self.peer_id, sha256s=sorted(self._offered)[:16], admission=admission
+        )
         if store_record(dht, artifacts_key(run_name, run_id), key, record, ARTIFACTS_TTL_SECONDS):
             self._published_at = time.monotonic()
 

@@ -251,6 +251,7 @@ class Membership:
                 tokens_per_second=max(tps, 1e-3),
                 memory_bytes=free_memory_bytes(self.device),
                 links={p: [lat, bw] for p, (lat, bw) in links.items()},
+                admission=self.standing.own_token,
             )
         self._probe_record = record
         with self._lock:
@@ -413,7 +414,13 @@ class Membership:
                     self.snapshot = self.build_snapshot()
                 if self.artifacts is not None:  # it re-publishes once a minute at most
                     with self._lock:
-                        self.artifacts.publish(self.dht, self.key, self.config.run_name, self.record.run_id)
+                        self.artifacts.publish(
+                            self.dht,
+                            self.key,
+                            self.config.run_name,
+                            self.record.run_id,
+                            self.standing.own_token,
+                        )
                 if self.contribution is not None:  # it re-publishes every few seconds at most
                     with self._lock:
                         self.contribution.publish(self.dht, self.key)

@@ -1,0 +1,111 @@
+"""A run's per-peer keys besides the claims (probes, keepers' stash, artifact servers, router
+versions, contributions) over real DHT nodes: a flood of free keys fills each key up to a few records
+per node at most, admitted owners' records stay, and a record padded past its kind's bound is refused.
+Uncapped, every record under a key came back in each find: a few padded records blinded the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from benchmarks.claims_flood import flooder, reply_records, storage_node
+from dht.identity import peer_id_of_key
+from dht.keys import RECORD_LIMITS, run_keys
+from dht.schema import (
+    ArtifactsRecord,
+    ContributionRecord,
+    KeptModule,
+    ProbeRecord,
+    Record,
+    RouterRecord,
+    StashRecord,
+)
+from dht.validators import MAX_OWNER_SUBKEY_BYTES, RecordSchemaValidator
+from peer.run.admission import AdmissionCheck
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+RUN, RUN_ID = "limits", "e5" * 32
+#: records per node in these tests (the real bounds: RECORD_LIMITS); the byte bounds are the real ones
+KEPT = 3
+SIGNATURE_BYTES = 600
+
+
+def largest(kind: str, key: RSAPrivateKey, pad: int = 0) -> Record:
+    """The largest record of `kind` its schema allows (`pad` bytes more in an unknown field)."""
+    peer = peer_id_of_key(key)
+    extra = {"pad": "x" * pad} if pad else {}
+    if kind == "probe":
+        links = {f"{i:0128d}": [0.5, 1e12] for i in range(64)}
+        return ProbeRecord(peer_id=peer, tokens_per_second=1.0, memory_bytes=1, links=links, **extra)
+    if kind == "stash":
+        rounds = [2**39 + r for r in range(64)]
+        modules = {
+            f"l{i // 100}m{i % 100}": KeptModule(fragment_rounds=rounds, digest="a" * 64) for i in range(300)
+        }
+        return StashRecord(peer_id=peer, modules=modules, **extra)
+    if kind == "artifacts":
+        return ArtifactsRecord(
+            peer_id=peer, sha256s=[f"{i:064x}" for i in range(16)], admission="t" * 2048, **extra
+        )
+    if kind == "router":
+        return RouterRecord(
+            run_id=RUN_ID, router_version=1, payload_json="p" * 4096, signature=b"s" * 4096, **extra
+        )
+    partners = {f"{i:0128d}": 1 for i in range(16)}
+    return ContributionRecord(
+        run_id=RUN_ID,
+        peer_id=peer,
+        averaged_with=partners,
+        public_key="k" * 1024,
+        signature="s" * 1024,
+        **extra,
+    )
+
+
+def publish(node, kind: str, key: RSAPrivateKey, record: Record) -> bool:
+    return bool(
+        node.store(
+            run_keys(RUN, RUN_ID)[kind],
+            subkey=RSASignatureValidator(key).local_public_key,
+            value=record.model_dump(),
+            expiration_time=get_dht_time() + 60,
+        )
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(RECORD_LIMITS))
+def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_the_admitted_ones(kind):
+    creator = RSAPrivateKey()  # the run's creator: admitted without a token (its keeper, its servers)
+    check = AdmissionCheck(RUN_ID, creator.get_public_key().to_bytes())
+    flood = [RSAPrivateKey() for _ in range(3 * KEPT)]
+    limits = {k: (KEPT, max_bytes) for k, (_, max_bytes) in RECORD_LIMITS.items()}
+    schema = RecordSchemaValidator(RUN, RUN_ID, admitted=check.admitted, record_limits=limits)
+    nodes = [storage_node(schema)]
+    peers = [str(m) for m in nodes[0].get_visible_maddrs()]
+    nodes.append(flooder([creator, *flood], schema, peers))
+    reader = storage_node(schema, peers, client_mode=True)
+    nodes.append(reader)
+    try:
+        max_bytes = RECORD_LIMITS[kind][1]
+        over = largest(kind, flood[0], pad=max_bytes)  # a padded record, refused at an empty key
+        assert not publish(nodes[1], kind, flood[0], over)
+        assert publish(nodes[1], kind, creator, largest(kind, creator))
+        for key in flood:
+            publish(nodes[1], kind, key, largest(kind, key))  # refused once the strangers' share is full
+        replies = reply_records(reader, run_keys(RUN, RUN_ID)[kind])
+        assert len(replies) >= 2, replies  # the storage node and the flooder (a DHT node too)
+        bound = KEPT * (max_bytes + MAX_OWNER_SUBKEY_BYTES + SIGNATURE_BYTES) + 4096
+        # a router record names no peer (its creator's signature is what a reader checks): the flood
+        # takes every place; elsewhere the admitted record stays and strangers fill their share
+        expected = KEPT if kind == "router" else 1 + max(1, KEPT // 4)
+        for size, records in replies:
+            assert len(records) == expected and size <= bound, (len(records), size)
+            if kind != "router":
+                assert peer_id_of_key(creator) in {r["peer_id"] for r in records}
+    finally:
+        for node in nodes:
+            node.shutdown()
