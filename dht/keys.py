@@ -35,9 +35,10 @@ MAX_OTHER_RUN_MANIFESTS = 2
 #: (records a DHT node keeps under the key, bytes of one record serialized without its signature).
 #: Each bound is a legitimate record's largest by its schema, and records times (bytes plus an owner
 #: key and a signature) stays under 2.3 MiB, below hivemind's 4 MiB message, whatever a flood of free
-#: keys publishes: uncapped, 17 keys' stash records of 256 kB made the reply exceed 4 MiB: no reader found a keeper. A node
-#: keeps admitted owners' records first (`admission`, or the creator's own key) and lets owners without
-#: admission take at most a quarter of a key that holds admitted ones (dht/shard_store.py).
+#: keys publishes: uncapped, 17 keys' stash records of 256 kB made the reply exceed 4 MiB and no reader
+#: found the run's keeper. A node keeps admitted owners' records first (`admission`, or the creator's
+#: own key) and lets owners without admission take at most a quarter of a key that holds admitted ones
+#: (dht/shard_store.py).
 RECORD_LIMITS: dict[str, tuple[int, int]] = {
     "probe": (128, 16 * 1024),
     "stash": (8, 256 * 1024),
