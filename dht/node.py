@@ -117,6 +117,7 @@ def start_dht(
     remember_validations: bool = True,
     admitted: Admitted | None = None,
     admitted_only: bool = False,
+    creator_public_key: bytes | None = None,
 ) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """Starts a DHT node that validates pathswarm's records for `run_name` (if given).
 
@@ -128,7 +129,8 @@ def start_dht(
     may never confirm. `remember_validations=False` checks every record in full each time it
     arrives, as hivemind does (benchmarks/dht_scale.py measures both). `admitted(peer_id, token)`:
     the run's admission check, whose admitted peers' claims this node keeps first in a full shard;
-    with `admitted_only` (an invite run) it keeps no others.
+    with `admitted_only` (an invite run) it keeps no others. `creator_public_key`: the run creator's,
+    whose signature every router version this node stores must carry.
     """
     # before anything is made (an identity file, the daemon): a wrong address is the user's to fix
     initial_peers = check_maddrs(initial_peers, "--initial_peers", peer_ids=True)
@@ -137,7 +139,12 @@ def start_dht(
     if run_name is not None:
         validators.append(
             RecordSchemaValidator(
-                run_name, run_id, max_record_ttl_seconds, admitted, admitted_only=admitted_only
+                run_name,
+                run_id,
+                max_record_ttl_seconds,
+                admitted,
+                admitted_only=admitted_only,
+                creator_public_key=creator_public_key,
             )
         )
     kwargs = dict(

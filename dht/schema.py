@@ -217,6 +217,15 @@ class RouterRecord(Record):
             raise ValueError("run_id must be 64 lowercase hex characters")
         return v
 
+    def signed_by(self, creator_public_key: bytes) -> bool:
+        """Whether `creator_public_key` signed this payload (its sha256, hex). Checked by the DHT nodes
+        of the run before they store a copy, and by every reader again."""
+        digest = hashlib.sha256(self.payload_json.encode()).hexdigest().encode()
+        try:
+            return bool(RSAPublicKey.from_bytes(creator_public_key).verify(digest, self.signature))
+        except Exception:  # an unreadable key or signature signs nothing
+            return False
+
 
 #: a contribution record names at most this many peers it averaged with (its most frequent partners)
 MAX_CONTRIBUTION_PARTNERS = 16

@@ -43,7 +43,7 @@ from dht.keys import (
     claim_shard,
     run_keys,
 )
-from dht.schema import SCHEMAS, ClaimRecord, ManifestRecord
+from dht.schema import SCHEMAS, ClaimRecord, ManifestRecord, RouterRecord
 from dht.shard_store import Admitted, SubkeyCap, cap_keys
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,9 @@ class RecordSchemaValidator(RecordValidatorBase):
     (at most `max_claims_per_shard`: tests flood a smaller shard, as they do the other per-peer keys
     with `record_limits`; `max_claim_ttl_seconds`: the claims_scale benchmark publishes 100,000
     claims once, which two cores cannot renew every minute).
-    `admitted_only` (an invite run): a node stores no claim whose admission `admitted` refuses."""
+    `admitted_only` (an invite run): a node stores no claim whose admission `admitted` refuses.
+    `creator_public_key` (the run's creator, where the manifest is known): a node stores no router
+    version that key did not sign, so a flood cannot take the places of the genuine copies."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class RecordSchemaValidator(RecordValidatorBase):
         max_claim_ttl_seconds: float = MAX_CLAIM_TTL_SECONDS,
         admitted_only: bool = False,
         record_limits: dict[str, tuple[int, int]] = RECORD_LIMITS,
+        creator_public_key: bytes | None = None,
     ):
         self.max_ttl_seconds = max_ttl_seconds
         self.max_claim_ttl_seconds = max_claim_ttl_seconds
@@ -85,6 +88,7 @@ class RecordSchemaValidator(RecordValidatorBase):
         self.admitted_only = admitted_only
         self.max_claims_per_shard = max_claims_per_shard
         self.run_id = run_id
+        self.creator_public_key = creator_public_key
         self._schema_by_key = {}
         self._shard_by_key: dict[bytes, int] = {}
         #: the run's other per-peer keys: (records a node keeps, bytes of one record)
@@ -155,6 +159,10 @@ class RecordSchemaValidator(RecordValidatorBase):
         if isinstance(parsed, ManifestRecord) and (unsigned := parsed.unsigned_because()) is not None:
             logger.debug(f"refused a manifest copy: {unsigned}")  # anyone can publish under a run name
             return False
+        if isinstance(parsed, RouterRecord) and self.creator_public_key is not None:
+            if parsed.run_id != self.run_id or not parsed.signed_by(self.creator_public_key):
+                logger.debug("refused a router version the run's creator did not sign")
+                return False
         claimed = getattr(parsed, "peer_id", None)
         if claimed is not None and claimed != owner_peer_id(record.subkey):
             logger.debug(f"refused a {schema.__name__} for {claimed} signed by another key")
@@ -205,6 +213,7 @@ class RecordSchemaValidator(RecordValidatorBase):
         self._shard_by_key.update(other._shard_by_key)
         self._limits_by_key.update(other._limits_by_key)
         self.run_id = other.run_id or self.run_id
+        self.creator_public_key = other.creator_public_key or self.creator_public_key
         self.admitted = other.admitted or self.admitted
         self.admitted_only = other.admitted_only or self.admitted_only
         self.max_ttl_seconds = min(self.max_ttl_seconds, other.max_ttl_seconds)

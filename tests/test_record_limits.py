@@ -6,6 +6,8 @@ Uncapped, every record under a key came back in each find: a few padded records 
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
@@ -34,8 +36,9 @@ KEPT = 3
 SIGNATURE_BYTES = 600
 
 
-def largest(kind: str, key: RSAPrivateKey, pad: int = 0) -> Record:
-    """The largest record of `kind` its schema allows (`pad` bytes more in an unknown field)."""
+def largest(kind: str, key: RSAPrivateKey, creator: RSAPrivateKey, pad: int = 0) -> Record:
+    """The largest record of `kind` its schema allows (`pad` bytes more in an unknown field) that `key`
+    may publish: of a router version, a copy of one `creator` signed."""
     peer = peer_id_of_key(key)
     extra = {"pad": "x" * pad} if pad else {}
     if kind == "probe":
@@ -52,9 +55,7 @@ def largest(kind: str, key: RSAPrivateKey, pad: int = 0) -> Record:
             peer_id=peer, sha256s=[f"{i:064x}" for i in range(16)], admission="t" * 2048, **extra
         )
     if kind == "router":
-        return RouterRecord(
-            run_id=RUN_ID, router_version=1, payload_json="p" * 4096, signature=b"s" * 4096, **extra
-        )
+        return router_copy(creator, **extra)
     partners = {f"{i:0128d}": 1 for i in range(16)}
     return ContributionRecord(
         run_id=RUN_ID,
@@ -64,6 +65,12 @@ def largest(kind: str, key: RSAPrivateKey, pad: int = 0) -> Record:
         signature="s" * 1024,
         **extra,
     )
+
+
+def router_copy(signer: RSAPrivateKey, **extra) -> RouterRecord:
+    payload = "p" * 4096
+    signature = signer.sign(hashlib.sha256(payload.encode()).hexdigest().encode())
+    return RouterRecord(run_id=RUN_ID, router_version=1, payload_json=payload, signature=signature, **extra)
 
 
 def publish(node, kind: str, key: RSAPrivateKey, record: Record) -> bool:
@@ -83,7 +90,13 @@ def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_t
     check = AdmissionCheck(RUN_ID, creator.get_public_key().to_bytes())
     flood = [RSAPrivateKey() for _ in range(3 * KEPT)]
     limits = {k: (KEPT, max_bytes) for k, (_, max_bytes) in RECORD_LIMITS.items()}
-    schema = RecordSchemaValidator(RUN, RUN_ID, admitted=check.admitted, record_limits=limits)
+    schema = RecordSchemaValidator(
+        RUN,
+        RUN_ID,
+        admitted=check.admitted,
+        record_limits=limits,
+        creator_public_key=check.creator_public_key,
+    )
     nodes = [storage_node(schema)]
     peers = [str(m) for m in nodes[0].get_visible_maddrs()]
     nodes.append(flooder([creator, *flood], schema, peers))
@@ -91,16 +104,19 @@ def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_t
     nodes.append(reader)
     try:
         max_bytes = RECORD_LIMITS[kind][1]
-        over = largest(kind, flood[0], pad=max_bytes)  # a padded record, refused at an empty key
+        over = largest(kind, flood[0], creator, pad=max_bytes)  # a padded record, refused at an empty key
         assert not publish(nodes[1], kind, flood[0], over)
-        assert publish(nodes[1], kind, creator, largest(kind, creator))
+        assert publish(nodes[1], kind, creator, largest(kind, creator, creator))
         for key in flood:
-            publish(nodes[1], kind, key, largest(kind, key))  # refused once the strangers' share is full
+            publish(
+                nodes[1], kind, key, largest(kind, key, creator)
+            )  # refused once the strangers' share is full
         replies = reply_records(reader, run_keys(RUN, RUN_ID)[kind])
         assert len(replies) >= 2, replies  # the storage node and the flooder (a DHT node too)
         bound = KEPT * (max_bytes + MAX_OWNER_SUBKEY_BYTES + SIGNATURE_BYTES) + 4096
-        # a router record names no peer (its creator's signature is what a reader checks): the flood
-        # takes every place; elsewhere the admitted record stays and strangers fill their share
+        # a router record names no peer: copies of the creator's version by anyone take every place
+        # (a stranger's own version is refused, see below); elsewhere the admitted record stays and
+        # strangers fill their share
         expected = KEPT if kind == "router" else 1 + max(1, KEPT // 4)
         for size, records in replies:
             assert len(records) == expected and size <= bound, (len(records), size)
@@ -109,3 +125,22 @@ def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_t
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_a_router_version_its_runs_creator_did_not_sign_is_refused_by_storage_nodes():
+    creator, stranger = RSAPrivateKey(), RSAPrivateKey()
+    check = AdmissionCheck(RUN_ID, creator.get_public_key().to_bytes())
+    schema = RecordSchemaValidator(
+        RUN, RUN_ID, admitted=check.admitted, creator_public_key=check.creator_public_key
+    )
+    node = storage_node(schema)
+    peers = [str(m) for m in node.get_visible_maddrs()]
+    publisher = flooder([stranger], schema, peers)
+    try:
+        assert not publish(publisher, "router", stranger, router_copy(stranger))  # its own "version"
+        other_run = router_copy(creator).model_copy(update={"run_id": "f6" * 32})
+        assert not publish(publisher, "router", stranger, other_run)  # signed, but named another run
+        assert publish(publisher, "router", stranger, router_copy(creator))  # a copy of the creator's
+    finally:
+        publisher.shutdown()
+        node.shutdown()

@@ -146,7 +146,9 @@ def test_a_live_run_is_rerouted_by_its_creator_and_the_peers_switch_at_a_round_b
         try:
             dht.add_validators([RecordSchemaValidator("rr", record.run_id)])
             forged = sign_router_version(_version(record, 7), forger)
-            assert publish_router_record(dht, forger, "rr", forged)
+            # the run's nodes refuse to store it (tests/test_record_limits.py); a node that does not
+            # know the run's creator may, and every reader checks the signature again
+            publish_router_record(dht, forger, "rr", forged)
             swarm.spawn("reroute", ["run", "reroute", "--manifest_path", str(manifest_path),
                         "--identity_path", str(key_path), "--initial_peers", *swarm.initial_peers,
                         "--host_maddrs", LOOPBACK, "--switch_after_rounds", "1", "--docs", "200",

@@ -104,6 +104,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
             run_id=record.run_id if record is not None else None,
             admitted=AdmissionCheck.of(record).admitted if record is not None else None,
             admitted_only=record is not None and invite_only(record),
+            creator_public_key=record.creator_public_key if record is not None else None,
         )
 
     # peers behind NAT relay through their initial peers, so a bootstrap node checks its relay first

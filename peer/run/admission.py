@@ -144,8 +144,13 @@ def invite_only(record: ManifestRecord) -> bool:
 
 def run_validator(record: ManifestRecord, run_name: str) -> RecordSchemaValidator:
     """The validator of a run's records for a node that verified its manifest `record`: its claim
-    shards keep admitted peers' claims first when full, and in an invite run no others at all."""
+    shards keep admitted peers' claims first when full, and in an invite run no others at all; it
+    stores only router versions the run's creator signed."""
     check = AdmissionCheck.of(record)
     return RecordSchemaValidator(
-        run_name, record.run_id, admitted=check.admitted, admitted_only=invite_only(record)
+        run_name,
+        record.run_id,
+        admitted=check.admitted,
+        admitted_only=invite_only(record),
+        creator_public_key=record.creator_public_key,
     )

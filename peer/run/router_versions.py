@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import hivemind
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dht.keys import ROUTER_TTL_SECONDS, router_key
@@ -73,13 +73,7 @@ def verify_router_record(record: RouterRecord, manifest_record: ManifestRecord) 
     be of this run, signed by the key that signed the run's manifest, and parse."""
     if record.run_id != manifest_record.run_id:
         raise ValueError("a router version of another run")
-    try:
-        valid = RSAPublicKey.from_bytes(manifest_record.creator_public_key).verify(
-            _digest(record.payload_json), record.signature
-        )
-    except Exception as e:
-        raise ValueError(f"unreadable signature: {type(e).__name__}") from e
-    if not valid:
+    if not record.signed_by(manifest_record.creator_public_key):
         raise ValueError("not signed by the run's creator")
     try:
         version = RouterVersion.model_validate_json(record.payload_json)
