@@ -19,9 +19,12 @@ PROBE_TTL_SECONDS = 300.0
 STASH_TTL_SECONDS = 300.0
 #: Peers re-publish which artifacts (base checkpoint, ...) they serve; their record lives this long.
 ARTIFACTS_TTL_SECONDS = 300.0
-#: Every peer holding a verified manifest re-publishes it with this TTL (peer/swarm/membership.py says
-#: how often).
+#: Every peer holding a verified manifest re-publishes it with this TTL, twice per TTL (so a copy is
+#: renewed once more before it lapses if one store fails). Every store's traversal carries back the
+#: copies near the key (up to MAX_MANIFEST_COPIES from each node it asks) and most stores are refused
+#: by full keys anyway: renewing every 60 s, as before, bought nothing but those bytes.
 MANIFEST_TTL_SECONDS = 300.0
+MANIFEST_REPUBLISH_SECONDS = MANIFEST_TTL_SECONDS / 2
 #: A DHT node keeps at most this many copies under a run name's manifest key (dht/shard_store.py
 #: chooses which), of which copies of other runs by the same name (anyone can create one) take at most
 #: MAX_OTHER_RUN_MANIFESTS on a node of the run. Every peer re-publishes the manifest under its own

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dht.node import start_dht
 from peer.checkpoint import list_checkpoints, load_latest_checkpoint
@@ -127,33 +126,43 @@ def test_late_joiner_downloads_modules_and_averages(tmp_path, manifest_file):
                 local = joined[f"local/parts.{module}.{name.split('/global/')[1]}"]
                 assert torch.equal(local, value), name
 
-    # After each round a and b averaged together (the same group of two, as each of them records it),
-    # b's copy equals a's bit for bit: every holder applies the identical aggregate with a
-    # deterministic outer step. A round one side ran alone (a timeout on a loaded machine) is not such
-    # a round, but there must be one.
-    ours, theirs = rounds_averaged_in_pairs(tmp_path / "b"), rounds_averaged_in_pairs(tmp_path / "a")
+    # After each round in which a module of a and b averaged together (the same group of two, as each
+    # of them records it), b's copy of it equals a's bit for bit at the same module round: every
+    # holder applies the identical aggregate with a deterministic outer step. Compared by the module's
+    # own round, not the peers' round counts: a joiner that caught one module up a round further than
+    # the others (its donor finished a round mid-download) numbers its rounds one behind that module's.
+    # A round one side ran alone (a timeout on a loaded machine) is not such a round, but there must
+    # be one.
+    ours, theirs = modules_averaged_in_pairs(tmp_path / "b"), modules_averaged_in_pairs(tmp_path / "a")
     together = sorted(r for r in ours if r in theirs and ours[r][1] == theirs[r][1])
     assert together, (meta_resumed["history"], logs_of(swarm, "a", "b", "b2"))
-    for round_ in together:
-        tensors_b, tensors_a = (
-            load_file(str(side[round_][0] / "tensors.safetensors")) for side in (ours, theirs)
+    for module, count in together:
+        tensors_b, tensors_a = (module_state(side[module, count][0], module) for side in (ours, theirs))
+        differ = [k for k in tensors_b if not torch.equal(tensors_a[k], tensors_b[k])]
+        where = (ours[module, count][0], theirs[module, count][0])
+        assert tensors_b and tensors_a.keys() == tensors_b.keys() and not differ, (
+            module,
+            count,
+            differ[:4],
+            where,
+            round_lines(ours[module, count][2]),
         )
-        shared = [k for k in tensors_b if "/global/" in k or "/momentum/" in k]
-        differ = [k for k in shared if not torch.equal(tensors_a[k], tensors_b[k])]
-        where = (ours[round_][0], theirs[round_][0])
-        assert shared and not differ, (round_, differ[:4], where, round_lines(round_))
 
 
-def rounds_averaged_in_pairs(ckpt: Path) -> dict[int, tuple[Path, dict]]:
-    """A peer's checkpoints written right after a round in which every module averaged in a group of two,
-    by that round, with the groups it recorded."""
+def modules_averaged_in_pairs(ckpt: Path) -> dict[tuple[str, tuple[int, ...]], tuple[Path, frozenset, int]]:
+    """A peer's checkpoints written right after a round in which a module averaged in a group of two, by
+    (module, the module's fragment rounds then), with the group it recorded and the peer's round."""
     out = {}
     for info in list_checkpoints(ckpt):
         meta = info.manifest["meta"] if info.complete else {}
         last = (meta.get("history") or [None])[-1]
-        if last and last["round"] == meta["outer_round"] and set(last["outcomes"].values()) == {"averaged/2"}:
-            groups = {module: frozenset(group) for module, group in last["groups"].items()}
-            out.setdefault(meta["outer_round"], (info.path, groups))
+        if not last or last["round"] != meta["outer_round"]:
+            continue
+        for module, outcome in last["outcomes"].items():
+            rounds = meta["fragment_rounds"].get(module)
+            if outcome == "averaged/2" and rounds is not None:
+                group = frozenset(last["groups"][module])
+                out.setdefault((module, tuple(rounds)), (info.path, group, meta["outer_round"]))
     return out
 
 

@@ -19,7 +19,7 @@ import hivemind
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.keys import MANIFEST_TTL_SECONDS
+from dht.keys import MANIFEST_REPUBLISH_SECONDS
 from dht.schema import ClaimRecord, ManifestRecord, ProbeRecord
 from monitoring.metrics import PeerMetrics
 from peer import __version__
@@ -56,11 +56,6 @@ from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
 
-#: how often a peer re-publishes the run manifest it verified: twice per TTL, so a copy is renewed
-#: once more before it lapses if one store fails. Every store's traversal carries back the copies
-#: near the key (up to MAX_MANIFEST_COPIES from each node it asks) and most stores are refused by
-#: full keys anyway: renewing every 60 s bought nothing but those bytes
-MANIFEST_REPUBLISH_SECONDS = MANIFEST_TTL_SECONDS / 2
 #: every how many heartbeats a peer on probation in an open run asks the run's authority to admit it
 ADMISSION_SEEK_HEARTBEATS = 4
 
@@ -414,13 +409,8 @@ class Membership:
                     self.snapshot = self.build_snapshot()
                 if self.artifacts is not None:  # it re-publishes once a minute at most
                     with self._lock:
-                        self.artifacts.publish(
-                            self.dht,
-                            self.key,
-                            self.config.run_name,
-                            self.record.run_id,
-                            self.standing.own_token,
-                        )
+                        served = (self.config.run_name, self.record.run_id, self.standing.own_token)
+                        self.artifacts.publish(self.dht, self.key, *served)
                 if self.contribution is not None:  # it re-publishes every few seconds at most
                     with self._lock:
                         self.contribution.publish(self.dht, self.key)
