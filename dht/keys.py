@@ -37,7 +37,7 @@ MAX_OTHER_RUN_MANIFESTS = 2
 #: The run's other keys hold one record per peer too, and a find answers with all of them: per kind,
 #: (records a DHT node keeps under the key, bytes of one record serialized without its signature).
 #: Each bound is a legitimate record's largest by its schema, and records times (bytes plus an owner
-#: key and a signature) stays under 2.3 MiB, below hivemind's 4 MiB message, whatever a flood of free
+#: key and a signature) stays under 2.4 MiB, below hivemind's 4 MiB message, whatever a flood of free
 #: keys publishes: uncapped, 17 keys' stash records of 256 kB made the reply exceed 4 MiB and no reader
 #: found the run's keeper. A node keeps admitted owners' records first (`admission`, or the creator's
 #: own key) and lets owners without admission take at most a quarter of a key that holds admitted ones
@@ -47,7 +47,7 @@ RECORD_LIMITS: dict[str, tuple[int, int]] = {
     "stash": (8, 256 * 1024),
     "artifacts": (256, 4 * 1024),
     "router": (64, 10 * 1024),
-    "contribution": (256, 6 * 1024),
+    "contribution": (256, 8 * 1024),
 }
 #: A router version (`pathswarm run reroute`) is re-published by the peers that switched to it.
 ROUTER_TTL_SECONDS = 300.0

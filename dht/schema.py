@@ -253,6 +253,8 @@ class ContributionRecord(Record):
     signed_at: int = Field(0, ge=0, lt=2**40)
     public_key: str = Field("", max_length=1024)
     signature: str = Field("", max_length=1024)
+    #: the peer's admission to the run ("" while it has none), as in ProbeRecord (signed with the rest)
+    admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 
     @field_validator("run_id")
     @classmethod

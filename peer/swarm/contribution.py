@@ -31,9 +31,13 @@ class ContributionPublisher:
         self.every_seconds = every_seconds
         self._last = float("-inf")
 
-    def publish(self, dht: hivemind.DHT, key: RSAPrivateKey, force: bool = False) -> bool:
+    def publish(
+        self, dht: hivemind.DHT, key: RSAPrivateKey, force: bool = False, admission: str = ""
+    ) -> bool:
+        """Stores the record, with our admission to the run if we have one (nodes keep admitted
+        peers' records first under a flood)."""
         if not force and time.monotonic() - self._last < self.every_seconds:
             return False
         self._last = time.monotonic()
-        record = sign_contribution(self.statement(), key)
+        record = sign_contribution(self.statement().model_copy(update={"admission": admission}), key)
         return store_record(dht, self.key_name, key, record, CONTRIBUTION_TTL_SECONDS)

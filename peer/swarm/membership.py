@@ -413,7 +413,7 @@ class Membership:
                         self.artifacts.publish(self.dht, self.key, *served)
                 if self.contribution is not None:  # it re-publishes every few seconds at most
                     with self._lock:
-                        self.contribution.publish(self.dht, self.key)
+                        self.contribution.publish(self.dht, self.key, admission=self.standing.own_token)
                 if time.monotonic() - last_manifest > MANIFEST_REPUBLISH_SECONDS:
                     with self._lock:
                         publish_record(self.dht, self.key, self.record)
@@ -440,7 +440,7 @@ class Membership:
             try:
                 self.publish_claim(leaving=True)
                 if self.contribution is not None:  # the totals at the end, with the last round in
-                    self.contribution.publish(self.dht, self.key, force=True)
+                    self.contribution.publish(self.dht, self.key, True, self.standing.own_token)
             except Exception as e:
                 logger.debug(f"could not announce leaving: {e}")
 
