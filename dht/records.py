@@ -9,10 +9,14 @@ another peer is never trusted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from functools import partial
 from typing import TypeVar
 
 import hivemind
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -35,15 +39,47 @@ SEARCH_BEAM_SIZE = 8
 def store_record(
     dht: hivemind.DHT, key: str, owner: RSAPrivateKey, record: Record, ttl_seconds: float
 ) -> bool:
+    """Stores `record` under `owner`'s subkey of `key` on the nodes nearest the key; True if one took it."""
+    expiration = get_dht_time() + ttl_seconds
     return bool(
-        dht.store(
-            key,
-            subkey=owner_subkey(owner),
-            value=record.model_dump(),
-            expiration_time=get_dht_time() + ttl_seconds,
-            beam_size=SEARCH_BEAM_SIZE,
-        )
+        dht.run_coroutine(partial(_store_near, key, owner_subkey(owner), record.model_dump(), expiration))
     )
+
+
+def _probe_id(key_id: DHTID) -> DHTID:
+    """An id no record is stored under whose nearest nodes are `key_id`'s: the lowest bit flipped
+    changes every node's XOR distance by one, which keeps their order (two node ids would have to
+    differ in that bit alone to swap)."""
+    return DHTID(int(key_id) ^ 1)
+
+
+async def _store_near(key: str, subkey: bytes, value: dict, expiration: float, _dht, node: DHTNode) -> bool:
+    """Runs in the DHT process. hivemind's store finds the key's nearest nodes with finds of the key
+    itself, and a find answers with every record under it: each heartbeat's claim store carried its
+    whole shard back from every node of the beam (and checked each record of it), as many bytes as
+    the run's claim reads. The same nodes are found by a find of `_probe_id`, under which nothing is
+    stored; then the signed record goes to the `num_replicas` nearest, ourselves included."""
+    key_id = DHTID.generate(source=key)
+    probe = _probe_id(key_id)
+    found = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, beam_size=SEARCH_BEAM_SIZE)
+    nearest = found.get(probe, {})
+    protocol = node.protocol
+    signed = DHTRecord(
+        key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value), expiration
+    )
+    if protocol.record_validator is not None:
+        signed = dataclasses.replace(signed, value=protocol.record_validator.sign_value(signed))
+
+    async def one(node_id: DHTID, peer_id) -> bool:
+        if node_id == node.node_id:
+            if protocol.record_validator is not None and not protocol.record_validator.validate(signed):
+                return False
+            return bool(protocol.storage.store(key_id, signed.value, expiration, subkey=subkey))
+        stored = await protocol.call_store(peer_id, [key_id], [signed.value], [expiration], subkeys=[subkey])
+        return bool(stored and stored[0])
+
+    results = await asyncio.gather(*(one(n, p) for n, p in nearest.items()), return_exceptions=True)
+    return any(r is True for r in results)
 
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[R]) -> list[tuple[R, float]]:
