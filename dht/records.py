@@ -58,11 +58,12 @@ async def _store_near(key: str, subkey: bytes, value: dict, expiration: float, _
     itself, and a find answers with every record under it: each heartbeat's claim store carried its
     whole shard back from every node of the beam (and checked each record of it), as many bytes as
     the run's claim reads. The same nodes are found by a find of `_probe_id`, under which nothing is
-    stored; then the signed record goes to the `num_replicas` nearest, ourselves included."""
+    stored; then the signed record goes to the `num_replicas` nearest that answer (ourselves
+    included), as hivemind's store does: a node that does not answer is replaced by the next."""
     key_id = DHTID.generate(source=key)
     probe = _probe_id(key_id)
-    found = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, beam_size=SEARCH_BEAM_SIZE)
-    nearest = found.get(probe, {})
+    found = await node.find_nearest_nodes([probe], k_nearest=SEARCH_BEAM_SIZE, beam_size=SEARCH_BEAM_SIZE)
+    candidates = list(found.get(probe, {}).items())  # nearest first
     protocol = node.protocol
     signed = DHTRecord(
         key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value), expiration
@@ -70,16 +71,26 @@ async def _store_near(key: str, subkey: bytes, value: dict, expiration: float, _
     if protocol.record_validator is not None:
         signed = dataclasses.replace(signed, value=protocol.record_validator.sign_value(signed))
 
-    async def one(node_id: DHTID, peer_id) -> bool:
+    async def one(node_id: DHTID, peer_id) -> bool | None:
+        """Whether the node stored it; None if it did not answer."""
         if node_id == node.node_id:
             if protocol.record_validator is not None and not protocol.record_validator.validate(signed):
                 return False
             return bool(protocol.storage.store(key_id, signed.value, expiration, subkey=subkey))
         stored = await protocol.call_store(peer_id, [key_id], [signed.value], [expiration], subkeys=[subkey])
-        return bool(stored and stored[0])
+        return None if stored is None else bool(stored[0])
 
-    results = await asyncio.gather(*(one(n, p) for n, p in nearest.items()), return_exceptions=True)
-    return any(r is True for r in results)
+    answered, ok = 0, False
+    while candidates and answered < node.num_replicas:
+        batch, candidates = (
+            candidates[: node.num_replicas - answered],
+            candidates[node.num_replicas - answered :],
+        )
+        for result in await asyncio.gather(*(one(n, p) for n, p in batch), return_exceptions=True):
+            if result is not None and not isinstance(result, BaseException):
+                answered += 1
+                ok = ok or result
+    return ok
 
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[R]) -> list[tuple[R, float]]:
