@@ -1,10 +1,11 @@
 """Flooding a run's claim shards and measuring what a lookup of one shard really carries.
 
-Shared by `benchmarks.claims_scale` and tests/test_claim_shards.py:
+Shared by `benchmarks.claims_scale` and the flood tests (tests/test_claim_shards.py and others):
 
 * `flooder`: a real hivemind DHT node that signs each record with the key of the owner it is stored
   under (`ManyOwners`), so one process publishes the claims of thousands of keys as their own nodes
   would — the stores, the signature checks and the storage caps on the receiving nodes are real;
+* `FloodSwarm`: two storage nodes of a run, a flooder and a reader, shut down together;
 * `reply_sizes`: one `rpc_find` of a key to each node the asker knows nearest to it (or to given
   nodes), as hivemind's own lookups send it, with the serialized size of every reply and how many
   records it held.
@@ -38,6 +39,26 @@ def storage_node(schema: RecordSchemaValidator, initial_peers: list[str] | None 
     """A DHT node that stores and serves the run's records under `schema` (its caps included)."""
     validators = [RSASignatureValidator(RSAPrivateKey()), schema]
     return hivemind.DHT(initial_peers=initial_peers, record_validators=validators, **LOOPBACK, **kw)
+
+
+class FloodSwarm:
+    """Two storage nodes of a run (`schema`), a flooder signing for `keys`, and a reader in client
+    mode; all shut down at exit."""
+
+    def __init__(self, schema: RecordSchemaValidator, keys: list[RSAPrivateKey]):
+        self.nodes = [storage_node(schema)]
+        peers = [str(m) for m in self.nodes[0].get_visible_maddrs()]
+        self.nodes.append(storage_node(schema, peers))
+        self.flooder = flooder(keys, schema, peers)
+        self.reader = storage_node(schema, peers, client_mode=True)
+        self.nodes += [self.flooder, self.reader]
+
+    def __enter__(self) -> FloodSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for node in self.nodes:
+            node.shutdown()
 
 
 async def _replies(key: str, timeout: float, peers: list | None, _dht, node) -> list[tuple[int, list[dict]]]:

@@ -217,10 +217,15 @@ class RouterRecord(Record):
             raise ValueError("run_id must be 64 lowercase hex characters")
         return v
 
+    @staticmethod
+    def payload_digest(payload_json: str) -> bytes:
+        """What the creator signs: the payload's sha256, hex."""
+        return hashlib.sha256(payload_json.encode()).hexdigest().encode()
+
     def signed_by(self, creator_public_key: bytes) -> bool:
-        """Whether `creator_public_key` signed this payload (its sha256, hex). Checked by the DHT nodes
-        of the run before they store a copy, and by every reader again."""
-        digest = hashlib.sha256(self.payload_json.encode()).hexdigest().encode()
+        """Whether `creator_public_key` signed this payload. Checked by the DHT nodes of the run before
+        they store a copy, and by every reader again."""
+        digest = self.payload_digest(self.payload_json)
         try:
             return bool(RSAPublicKey.from_bytes(creator_public_key).verify(digest, self.signature))
         except Exception:  # an unreadable key or signature signs nothing

@@ -13,7 +13,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.claims_flood import flooder, reply_sizes, storage_node
+from benchmarks.claims_flood import FloodSwarm, reply_sizes
 from benchmarks.monitor_cost import manifest as small_run
 from dht.identity import peer_id_of_key
 from dht.keys import CLAIM_TTL_SECONDS, MAX_CLAIM_BYTES, claim_shard, claims_key
@@ -50,31 +50,12 @@ def publish(node, run: str, run_id: str, key: RSAPrivateKey, record: ClaimRecord
     )
 
 
-class Swarm:
-    """Two storage nodes, a flooder signing for `keys`, and a reader; all shut down at exit."""
-
-    def __init__(self, schema: RecordSchemaValidator, keys: list[RSAPrivateKey]):
-        self.nodes = [storage_node(schema)]
-        peers = [str(m) for m in self.nodes[0].get_visible_maddrs()]
-        self.nodes.append(storage_node(schema, peers))
-        self.flooder = flooder(keys, schema, peers)
-        self.reader = storage_node(schema, peers, client_mode=True)
-        self.nodes += [self.flooder, self.reader]
-
-    def __enter__(self) -> Swarm:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for node in self.nodes:
-            node.shutdown()
-
-
 def test_a_reader_of_one_modules_claims_never_gets_a_reply_over_the_cap_even_when_its_shard_is_flooded():
     run, run_id = "shardcap", "a1" * 32
     honest = [RSAPrivateKey() for _ in range(3)]
     flood = [RSAPrivateKey() for _ in range(3 * CAP)]
     schema = RecordSchemaValidator(run, run_id, max_claims_per_shard=CAP)
-    with Swarm(schema, honest + flood) as swarm:
+    with FloodSwarm(schema, honest + flood) as swarm:
         # honest claims on paths 1 (modules l0m0, l1m1) and 2 (l0m1, l1m0); the flood on path 0 (l1m0)
         assert publish(swarm.flooder, run, run_id, honest[0], claim(honest[0], 1))
         assert publish(swarm.flooder, run, run_id, honest[1], claim(honest[1], 2))
@@ -99,7 +80,7 @@ def test_a_flood_of_free_key_claims_in_one_shard_does_not_hide_the_admitted_clai
     honest = [RSAPrivateKey() for _ in range(3)]
     flood = [RSAPrivateKey() for _ in range(4 * CAP)]
     schema = RecordSchemaValidator(run, run_id, admitted=check.admitted, max_claims_per_shard=CAP)
-    with Swarm(schema, honest + flood) as swarm:
+    with FloodSwarm(schema, honest + flood) as swarm:
         # free keys fill the shard first, the admitted peers arrive at a full shard, more keys follow
         for key in flood[: 2 * CAP]:
             publish(swarm.flooder, run, run_id, key, claim(key, 0))
@@ -120,7 +101,7 @@ def test_in_an_invite_run_a_peers_claim_view_holds_no_claim_of_a_key_without_adm
     honest = [RSAPrivateKey() for _ in range(2)]
     flood = [RSAPrivateKey() for _ in range(CAP - 2)]
     schema = RecordSchemaValidator(run, run_id, admitted=check.admitted, max_claims_per_shard=CAP)
-    with Swarm(schema, honest + flood) as swarm:
+    with FloodSwarm(schema, honest + flood) as swarm:
         for key in flood:
             publish(swarm.flooder, run, run_id, key, claim(key, 0))
         for key in honest:
@@ -143,7 +124,7 @@ def test_in_an_invite_run_storage_nodes_refuse_every_claim_without_its_owners_ad
     schema = RecordSchemaValidator(
         run, run_id, admitted=check.admitted, max_claims_per_shard=CAP, admitted_only=True
     )
-    with Swarm(schema, honest + flood) as swarm:
+    with FloodSwarm(schema, honest + flood) as swarm:
         assert not any(publish(swarm.flooder, run, run_id, key, claim(key, 0)) for key in flood)
         tokens = [sign_admission(creator, run_id, peer_id_of_key(key), "invite") for key in honest]
         for key, token in zip(honest, tokens, strict=True):
@@ -160,7 +141,7 @@ def test_the_monitor_reads_every_claim_shard_of_its_run():
     m, record = small_run()  # a 2x8 grid: 64 paths, 64 shards
     keys = [RSAPrivateKey() for _ in range(m.model.n_paths)]
     schema = RecordSchemaValidator(m.name, record.run_id, max_claims_per_shard=CAP)
-    with Swarm(schema, keys) as swarm:
+    with FloodSwarm(schema, keys) as swarm:
         for path, key in enumerate(keys):
             assert publish(swarm.flooder, m.name, record.run_id, key, claim(key, path, cfg=m.model))
         collector = SwarmCollector(100)
@@ -174,7 +155,7 @@ def test_a_claim_listing_modules_off_its_path_is_left_out_of_a_peers_view():
     run, run_id = "shardmodules", "c4" * 32
     honest, liar = RSAPrivateKey(), RSAPrivateKey()
     schema = RecordSchemaValidator(run, run_id, max_claims_per_shard=CAP)
-    with Swarm(schema, [honest, liar]) as swarm:
+    with FloodSwarm(schema, [honest, liar]) as swarm:
         assert publish(swarm.flooder, run, run_id, honest, claim(honest, 0))
         # path 0 runs through trunk, l0m0, l1m0; the liar says it holds every module of the grid
         every = ["trunk", "l0m0", "l0m1", "l1m0", "l1m1"]

@@ -11,7 +11,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.claims_flood import flooder, reply_records, storage_node
+from benchmarks.claims_flood import FloodSwarm, reply_records
 from dht.keys import MANIFEST_TTL_SECONDS, MAX_MANIFEST_COPIES, MAX_OTHER_RUN_MANIFESTS, manifest_key
 from dht.schema import ManifestRecord
 from dht.validators import RecordSchemaValidator
@@ -35,26 +35,6 @@ def publish(node, key: RSAPrivateKey, record: ManifestRecord) -> bool:
     )
 
 
-class Swarm:
-    """Two storage nodes of the run, a node that signs for `keys`, and a reader; all shut down at exit."""
-
-    def __init__(self, run_id: str, keys: list[RSAPrivateKey]):
-        schema = RecordSchemaValidator(RUN, run_id)
-        self.nodes = [storage_node(schema)]
-        peers = [str(m) for m in self.nodes[0].get_visible_maddrs()]
-        self.nodes.append(storage_node(schema, peers))
-        self.flooder = flooder(keys, schema, peers)
-        self.reader = storage_node(schema, peers, client_mode=True)
-        self.nodes += [self.flooder, self.reader]
-
-    def __enter__(self) -> Swarm:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for node in self.nodes:
-            node.shutdown()
-
-
 def test_a_flood_of_free_keys_under_a_run_name_leaves_each_node_a_few_copies_its_own_runs_first():
     ours = sign_manifest(RunManifest(name=RUN, seed=0), RSAPrivateKey())
     honest = [RSAPrivateKey() for _ in range(3)]
@@ -62,7 +42,7 @@ def test_a_flood_of_free_keys_under_a_run_name_leaves_each_node_a_few_copies_its
     # re-publish our run's genuine record under their own subkeys
     impostors = [RSAPrivateKey() for _ in range(3 * MAX_MANIFEST_COPIES)]
     copiers = [RSAPrivateKey() for _ in range(3 * MAX_MANIFEST_COPIES)]
-    with Swarm(ours.run_id, honest + impostors + copiers) as swarm:
+    with FloodSwarm(RecordSchemaValidator(RUN, ours.run_id), honest + impostors + copiers) as swarm:
         for key in honest:
             assert publish(swarm.flooder, key, ours)
         for seed, key in enumerate(impostors, start=1):
@@ -86,7 +66,7 @@ def test_a_manifest_copy_whose_hash_or_creator_signature_does_not_check_is_refus
     # the stranger's key in place of the creator's: a signature that does not verify with the key named
     resigned = ours.model_copy(update={"creator_public_key": stranger.get_public_key().to_bytes()})
     garbage = ours.model_copy(update={"creator_public_key": b"not a key"})
-    with Swarm(ours.run_id, [stranger]) as swarm:
+    with FloodSwarm(RecordSchemaValidator(RUN, ours.run_id), [stranger]) as swarm:
         for forged in (altered, resigned, garbage):
             assert not publish(swarm.flooder, stranger, forged)
         assert publish(swarm.flooder, stranger, ours)  # the same key with the genuine record

@@ -6,14 +6,12 @@ Uncapped, every record under a key came back in each find: a few padded records 
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from benchmarks.claims_flood import flooder, reply_records, storage_node
+from benchmarks.claims_flood import FloodSwarm, reply_records
 from dht.identity import peer_id_of_key
 from dht.keys import RECORD_LIMITS, run_keys
 from dht.schema import (
@@ -75,7 +73,7 @@ def largest(
 
 def router_copy(signer: RSAPrivateKey, **extra) -> RouterRecord:
     payload = "p" * 4096
-    signature = signer.sign(hashlib.sha256(payload.encode()).hexdigest().encode())
+    signature = signer.sign(RouterRecord.payload_digest(payload))
     return RouterRecord(run_id=RUN_ID, router_version=1, payload_json=payload, signature=signature, **extra)
 
 
@@ -105,21 +103,16 @@ def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_t
         record_limits=limits,
         creator_public_key=check.creator_public_key,
     )
-    nodes = [storage_node(schema)]
-    peers = [str(m) for m in nodes[0].get_visible_maddrs()]
-    nodes.append(flooder([creator, invited, *flood], schema, peers))
-    reader = storage_node(schema, peers, client_mode=True)
-    nodes.append(reader)
-    try:
+    with FloodSwarm(schema, [creator, invited, *flood]) as swarm:
         max_bytes = RECORD_LIMITS[kind][1]
         over = largest(kind, flood[0], creator, pad=max_bytes)  # a padded record, refused at an empty key
-        assert not publish(nodes[1], kind, flood[0], over)
-        assert publish(nodes[1], kind, creator, largest(kind, creator, creator))
-        assert publish(nodes[1], kind, invited, largest(kind, invited, creator, admission=token))
+        assert not publish(swarm.flooder, kind, flood[0], over)
+        assert publish(swarm.flooder, kind, creator, largest(kind, creator, creator))
+        assert publish(swarm.flooder, kind, invited, largest(kind, invited, creator, admission=token))
         for key in flood:  # refused once the strangers' share is full
-            publish(nodes[1], kind, key, largest(kind, key, creator))
-        replies = reply_records(reader, run_keys(RUN, RUN_ID)[kind])
-        assert len(replies) >= 2, replies  # the storage node and the flooder (a DHT node too)
+            publish(swarm.flooder, kind, key, largest(kind, key, creator))
+        replies = reply_records(swarm.reader, run_keys(RUN, RUN_ID)[kind])
+        assert len(replies) >= 2, replies  # the storage nodes and the flooder (a DHT node too)
         bound = KEPT * (max_bytes + MAX_OWNER_SUBKEY_BYTES + SIGNATURE_BYTES) + 4096
         # a router record names no peer: copies of the creator's version by anyone take every place
         # (a stranger's own version is refused, see below); elsewhere the admitted record stays and
@@ -130,9 +123,6 @@ def test_a_flood_of_free_keys_on_a_runs_key_keeps_each_reply_a_few_records_and_t
             if kind != "router":
                 kept = {r["peer_id"] for r in records}
                 assert {peer_id_of_key(creator), peer_id_of_key(invited)} <= kept
-    finally:
-        for node in nodes:
-            node.shutdown()
 
 
 def test_a_router_version_its_runs_creator_did_not_sign_is_refused_by_storage_nodes():
@@ -141,14 +131,8 @@ def test_a_router_version_its_runs_creator_did_not_sign_is_refused_by_storage_no
     schema = RecordSchemaValidator(
         RUN, RUN_ID, admitted=check.admitted, creator_public_key=check.creator_public_key
     )
-    node = storage_node(schema)
-    peers = [str(m) for m in node.get_visible_maddrs()]
-    publisher = flooder([stranger], schema, peers)
-    try:
-        assert not publish(publisher, "router", stranger, router_copy(stranger))  # its own "version"
+    with FloodSwarm(schema, [stranger]) as swarm:
+        assert not publish(swarm.flooder, "router", stranger, router_copy(stranger))  # its own "version"
         other_run = router_copy(creator).model_copy(update={"run_id": "f6" * 32})
-        assert not publish(publisher, "router", stranger, other_run)  # signed, but named another run
-        assert publish(publisher, "router", stranger, router_copy(creator))  # a copy of the creator's
-    finally:
-        publisher.shutdown()
-        node.shutdown()
+        assert not publish(swarm.flooder, "router", stranger, other_run)  # signed, but named another run
+        assert publish(swarm.flooder, "router", stranger, router_copy(creator))  # a copy of the creator's

@@ -10,7 +10,6 @@ highest version wins. Peers that switched re-publish the record unchanged, so it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -54,17 +53,13 @@ class RouterVersion(BaseModel):
         return ref
 
 
-def _digest(payload_json: str) -> bytes:
-    return hashlib.sha256(payload_json.encode()).hexdigest().encode()
-
-
 def sign_router_version(version: RouterVersion, key: RSAPrivateKey) -> RouterRecord:
     payload = version.model_dump_json()
     return RouterRecord(
         run_id=version.run_id,
         router_version=version.router_version,
         payload_json=payload,
-        signature=key.sign(_digest(payload)),
+        signature=key.sign(RouterRecord.payload_digest(payload)),
     )
 
 

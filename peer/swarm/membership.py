@@ -440,7 +440,8 @@ class Membership:
             try:
                 self.publish_claim(leaving=True)
                 if self.contribution is not None:  # the totals at the end, with the last round in
-                    self.contribution.publish(self.dht, self.key, True, self.standing.own_token)
+                    token = self.standing.own_token
+                    self.contribution.publish(self.dht, self.key, force=True, admission=token)
             except Exception as e:
                 logger.debug(f"could not announce leaving: {e}")
 
