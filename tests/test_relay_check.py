@@ -8,21 +8,33 @@ import pytest
 from dht import relay_check
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.swarm
-def test_a_bootstrap_style_daemon_relays_transfers_beyond_the_default_relay_limit(monkeypatch):
-    """On one Go thread and declared public (as `pathswarm bootstrap` runs p2pd), every start serves
-    the configured relay: a 512 KiB reply, four times go-libp2p's default limit, arrives whole."""
+def test_a_bootstrap_style_daemon_relays_transfers_beyond_the_default_relay_limit(monkeypatch, caplog):
+    """On one Go thread and declared public (as `pathswarm bootstrap` runs p2pd), the node that
+    `start_relaying_dht` keeps serves the configured relay: a 512 KiB reply, four times go-libp2p's
+    default limit, arrives whole. One thread wins p2pd's race nearly always (40 starts in 40 here, one
+    lost once in CI with both cores busy), so the restart loop, not a single start, is what holds."""
     monkeypatch.setenv("GOMAXPROCS", "")
     relay_check.prefer_configured_relay()
-    for _ in range(3):
-        dht = hivemind.DHT(
+    started = []
+
+    def start():
+        node = hivemind.DHT(
             host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, nat_port_map=False, force_reachability="public"
         )
-        try:
-            assert relay_check.check_relay(dht) == "relays"
-        finally:
-            dht.shutdown()
+        started.append(node)
+        return (node,)
+
+    try:
+        with caplog.at_level("INFO", logger="dht.relay_check"):
+            (dht,) = relay_check.start_relaying_dht(start)
+        assert "relay for peers behind NAT: up" in caplog.text
+        assert len(started) <= 2  # one thread wins the race: a second start at most, under load
+        assert relay_check.check_relay(dht) == "relays"  # and the kept node keeps relaying
+    finally:
+        for node in started:
+            node.shutdown()
 
 
 @pytest.mark.timeout(120)
