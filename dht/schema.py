@@ -22,6 +22,8 @@ _PATH_INDEX = re.compile(r"^\d{1,7}$")
 MAX_PATH_STEPS_ENTRIES = 64
 #: the longest admission token a record carries (a 2048-bit key's is about 620 characters)
 MAX_ADMISSION_TOKEN_CHARS = 2048
+#: modules one keeper's stash record names: a keeper that would keep more refuses them (peer/swarm/keeper.py)
+MAX_STASH_MODULES = 512
 
 
 class Record(BaseModel):
@@ -170,7 +172,7 @@ class StashRecord(Record):
     """The module states one keeper holds and serves (the last copy of a module whose holders left)."""
 
     peer_id: str = Field(min_length=1, max_length=128)
-    modules: dict[str, KeptModule] = Field(default_factory=dict, max_length=512)
+    modules: dict[str, KeptModule] = Field(default_factory=dict, max_length=MAX_STASH_MODULES)
     #: the keeper's admission to the run ("" for the creator's own keeper, which needs none)
     admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
 

@@ -8,8 +8,9 @@ standing is kept unconfirmed). A leaving holder's request to keep its state now 
 taken only from a holder of that module with standing (`peer.sync.standing`): a stranger, or a key
 without admission where the module has admitted holders, is refused. Kept states are written
 atomically to DIR (so a restarted keeper resumes), announced in a signed `StashRecord`, and served
-like a holder's. A joiner that finds no live holder of a module takes it from a keeper before it
-would ever start the module again from its initial weights.
+like a holder's; a keeper keeps no more than its one stash record can name (`MAX_STASH_MODULES`,
+within the record's bytes) and says so when full. A joiner that finds no live holder of a module
+takes it from a keeper before it would ever start the module again from its initial weights.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from pathlib import Path
 import hivemind
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
 
-from dht.keys import STASH_TTL_SECONDS, stash_key
+from dht.keys import RECORD_LIMITS, STASH_TTL_SECONDS, stash_key
 from dht.records import read_records, store_record
-from dht.schema import ClaimRecord, KeptModule, ManifestRecord, StashRecord
+from dht.schema import MAX_STASH_MODULES, ClaimRecord, KeptModule, ManifestRecord, StashRecord
 from peer.checkpoint import load_latest_checkpoint, save_checkpoint
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest
@@ -44,6 +46,10 @@ from peer.sync.state_transfer import StateHistory, digests_of, install_state_han
 from peer.sync.wire import Kind
 
 logger = logging.getLogger(__name__)
+
+#: bytes of one stash record a node stores (dht.keys.RECORD_LIMITS), less room for the validator's
+#: signature (an RSA signature of up to 4096 bits and its marker) and for rounds that gain digits
+STASH_RECORD_BUDGET_BYTES = RECORD_LIMITS["stash"][1] - 8 * 1024
 
 
 def state_numels(manifest: RunManifest, module_id: str) -> list[int]:
@@ -102,6 +108,8 @@ class Keeper:
         self.claims: dict[str, ClaimRecord] = {}
         self._dht_lock = dht_lock or threading.Lock()
         self._stop = threading.Event()
+        self._full = False  # the warning that the stash record has no room left was given
+        self._entries: dict[str, KeptModule] = {}  # what the stash record says of each kept state
         self._load()
         self.standing = Standing(
             AdmissionCheck.of(record), manifest.admission.mode, self._token_of, self.peer_id
@@ -162,9 +170,10 @@ class Keeper:
             if not ahead:
                 continue
             ahead.sort(key=lambda p: -sum(claims[p].module_rounds.get(mid, [0])))
+            if not self._has_room(mid, claims[ahead[0]].module_rounds.get(mid, [0])):
+                continue  # no transfer for a state that could not be announced
             got = fetch_module_state(self.service, mid, self.numels[mid], ahead, self.manifest.sync)
-            if got is not None and sum(got[1]) > kept:
-                self._keep(mid, got[1], got[2], True)
+            if got is not None and sum(got[1]) > kept and self._keep(mid, got[1], got[2], True):
                 advanced += 1
         if not self.publish():  # also renews the record's TTL
             logger.warning("keeper: could not publish what it keeps")
@@ -185,6 +194,7 @@ class Keeper:
             request.run == self.service.run
             and request.module in self.numels
             and request.module not in self._keeping
+            and self._has_room(request.module, [0] * self.manifest.sync.fragments)
             and await loop.run_in_executor(None, self._may_keep_from, sender, request.module)
         ):
             self._keeping.add(request.module)
@@ -204,33 +214,64 @@ class Keeper:
                 kept = sum(self.states[request.module][0]) if request.module in self.states else -1
                 if got is not None and sum(got[1]) >= kept:
 
-                    def keep_and_announce() -> None:
-                        self._keep(request.module, got[1], got[2], True)
+                    def keep_and_announce() -> bool:
+                        kept_now = self._keep(request.module, got[1], got[2], True)
                         self.publish()
+                        return kept_now
 
-                    await loop.run_in_executor(None, keep_and_announce)
-                    ok = True
+                    ok = await loop.run_in_executor(None, keep_and_announce)
             finally:
                 self._keeping.discard(request.module)
         await wire.write(writer, wire.pack_header(Kind.ACK, wire.Ack(ok=ok, reason="" if ok else "not kept")))
 
-    def _keep(self, mid: str, rounds: list[int], tensors: list[torch.Tensor], save: bool) -> None:
+    def _has_room(self, mid: str, rounds: list[int]) -> bool:
+        """Whether the stash record still announces every kept module with `mid` kept at `rounds`:
+        a state kept but not announced is served to nobody, and a record past the caps is stored
+        nowhere, which would hide every module this keeper keeps."""
+        if mid in self.states:
+            return True
+        if len(self.states) + 1 <= MAX_STASH_MODULES:
+            entry = KeptModule(fragment_rounds=rounds, digest="0" * 64)
+            record = self._record({**self._announced(), mid: entry})
+            if len(MSGPackSerializer.dumps(record.model_dump())) <= STASH_RECORD_BUDGET_BYTES:
+                return True
+        if not self._full:
+            self._full = True
+            logger.warning(
+                f"keeper: full at {len(self.states)} modules (a stash record names at most "
+                f"{MAX_STASH_MODULES} in {STASH_RECORD_BUDGET_BYTES // 1024} KiB): {mid} and any other "
+                "module new to it are not kept here; run another keeper for them"
+            )
+        return False
+
+    def _keep(self, mid: str, rounds: list[int], tensors: list[torch.Tensor], save: bool) -> bool:
         if not all(torch.isfinite(t).all() for t in tensors):
             logger.warning(f"keeper: refused a state of {mid} with NaN or inf")
-            return
+            return False
+        if not self._has_room(mid, rounds):
+            return False
         self.states[mid] = (rounds, tensors)
-        self.history.record(mid, rounds, digests_of(tensors))
+        digests = digests_of(tensors)
+        self.history.record(mid, rounds, digests)
+        self._entries[mid] = KeptModule(fragment_rounds=rounds, digest=module_digest(digests))
         logger.info(f"keeper: {mid} kept at fragment rounds {rounds}")
         if save:
             meta = dict(step=sum(rounds), run_id=self.run_id, module=mid, fragment_rounds=rounds)
             save_checkpoint(self.directory / mid, {f"t{i}": t for i, t in enumerate(tensors)}, meta, keep=1)
+        return True
+
+    def _announced(self) -> dict[str, KeptModule]:
+        return dict(self._entries)
+
+    def _record(self, modules: dict[str, KeptModule]) -> StashRecord:
+        return StashRecord(peer_id=self.peer_id, modules=modules, admission=self.admission)
+
+    def stash_record(self) -> StashRecord:
+        """What `publish` stores: every kept state, by its fragment rounds and digest."""
+        return self._record(self._announced())
 
     def publish(self) -> bool:
-        modules = {
-            mid: KeptModule(fragment_rounds=rounds, digest=module_digest(digests_of(tensors)))
-            for mid, (rounds, tensors) in self.states.items()
-        }
-        record = StashRecord(peer_id=self.peer_id, modules=modules, admission=self.admission)
+        record = self.stash_record()
         with self._dht_lock:
             return store_record(
                 self.dht, stash_key(self.run_name, self.run_id), self.key, record, STASH_TTL_SECONDS
