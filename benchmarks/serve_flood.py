@@ -173,7 +173,18 @@ def measure_arm(args: argparse.Namespace, folder: Path, arm: str) -> dict:
         "cores_before": _cores(cpu[0], cpu[1], groups), "cores_during": _cores(cpu[1], cpu[2], groups),
         "attacker_priority": priority, "window_seconds": window,
         "bytes_by_second": got["bytes_by_second"], "walls": walls,
+        "holder_rounds": _round_series(found[HOLDER][0], walls),
     }  # fmt: skip
+
+
+def _round_series(history: list[dict], walls: list[float]) -> list[list[float]]:
+    """[seconds from the first window's start, tokens trained] at each of the holder's round ends
+    inside the windows: its tokens/s over time in the figure."""
+    return [
+        [round(h["time"] - walls[0], 2), h["tokens_total"]]
+        for h in history
+        if walls[0] <= h["time"] <= walls[-1]
+    ]
 
 
 def write_report(out: Path, result: dict) -> None:
@@ -187,7 +198,7 @@ def write_report(out: Path, result: dict) -> None:
         "| refused | answers/s | holder's cores before / during | askers' cores during |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for arm, r in result["arms"].items():
         h = r["holder"]
         rows.append(
@@ -201,15 +212,20 @@ def write_report(out: Path, result: dict) -> None:
         )
         t0 = r["walls"][0]
         xs = sorted(int(s) for s in r["bytes_by_second"])
-        ax.plot(
-            [x - t0 for x in xs],
-            [r["bytes_by_second"][str(x)] / 1e6 for x in xs],
-            label=f"{arm}: askers' MB/s",
+        top.plot([x - t0 for x in xs], [r["bytes_by_second"][str(x)] / 1e6 for x in xs], label=arm)
+        rounds = r.get("holder_rounds", [])
+        pairs = list(zip(rounds, rounds[5:], strict=False))  # over 5 rounds: a few seconds
+        bottom.plot(
+            [b[0] for a, b in pairs],
+            [(b[1] - a[1]) / max(1e-9, b[0] - a[0]) / 1e3 for a, b in pairs],
+            label=arm,
         )
-    ax.axvspan(result["window_seconds"], 2 * result["window_seconds"], color="0.9", label="flood window")
-    ax.set_xlabel("seconds from the window before the flood")
-    ax.set_ylabel("MB/s the holder uploaded to the askers")
-    ax.legend()
+    for ax in (top, bottom):
+        ax.axvspan(result["window_seconds"], 2 * result["window_seconds"], color="0.9")
+        ax.legend(title="shaded: the flood window", fontsize=8)
+    top.set_ylabel("MB/s uploaded to the askers")
+    bottom.set_ylabel("holder's tokens/s (k), over 5 rounds")
+    bottom.set_xlabel("seconds from the start of the window before the flood")
     fig.tight_layout()
     fig.savefig(out / "serve_flood.png", dpi=120)
     text = [
@@ -234,7 +250,19 @@ def main() -> None:
     p.add_argument("--run_inner_steps", type=int, default=100, help="the live run's H")
     p.add_argument("--d_model", type=int, default=64)
     p.add_argument("--run_start_timeout_seconds", type=float, default=240.0)
+    p.add_argument(
+        "--report_only", action="store_true", help="redraw DIR's report from its JSON and checkpoints"
+    )
     args = p.parse_args()
+    if args.report_only:
+        result = json.loads((args.out / "serve_flood.json").read_text())
+        for arm, r in result["arms"].items():  # the series, for outputs written before they were kept
+            r.setdefault(
+                "holder_rounds", _round_series(histories(args.out / arm, [HOLDER])[HOLDER][0], r["walls"])
+            )
+        (args.out / "serve_flood.json").write_text(json.dumps(result, indent=1))
+        write_report(args.out, result)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"askers": args.askers, "requests_at_once": args.requests_at_once,
               "window_seconds": args.window_seconds, "arms": {}}  # fmt: skip

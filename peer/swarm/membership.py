@@ -28,6 +28,7 @@ from peer.model.grid import Path, path_from_index, path_index, path_module_ids
 from peer.model.transformer import PathModel
 from peer.run.admission import AdmissionCheck
 from peer.seeding import stable_seed
+from peer.swarm import probes
 from peer.swarm.admission import save_token
 from peer.swarm.admission import seek as seek_admission
 from peer.swarm.claims import (
@@ -42,15 +43,6 @@ from peer.swarm.claims import (
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
-from peer.swarm.probes import (
-    ProbeService,
-    free_memory_bytes,
-    live_probes,
-    load_probe_file,
-    measure_tokens_per_second,
-    publish_probe,
-    sample_peers,
-)
 from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation, round_view
 from peer.sync.standing import Standing
 
@@ -115,7 +107,7 @@ class Membership:
         self._probes: dict[str, ProbeRecord] = {}
         self._probe_record: ProbeRecord | None = None
         self._path_parameters = path_parameters(manifest)
-        self._probe_service = ProbeService(dht) if config.probe_file is None else None
+        self._probe_service = probes.ProbeService(dht) if config.probe_file is None else None
         self._stop = threading.Event()
         self._wake = threading.Event()  # "publish our claim now" from the training loop
         self._heartbeat: threading.Thread | None = None
@@ -191,7 +183,7 @@ class Membership:
     def build_snapshot(self):
         # Like claims, probe records missing from one read are kept (while their peer's claim is).
         with self._lock:
-            self._probes.update(live_probes(self.dht, self.run_name, self.run_id))
+            self._probes.update(probes.live_probes(self.dht, self.run_name, self.run_id))
         self._probes[self.peer_id] = self._probe_record
         self._probes = {p: r for p, r in self._probes.items() if p in self.claims or p == self.peer_id}
         return build_snapshot(
@@ -231,26 +223,26 @@ class Membership:
         """Measures (or reads injected) compute, memory and links, and publishes them."""
         cfg, m = self.config, self.manifest
         if cfg.probe_file is not None:
-            record = load_probe_file(cfg.probe_file, self.peer_id)
+            record = probes.load_probe_file(cfg.probe_file, self.peer_id)
         else:
             tps = self.progress().tokens_per_second
             if tps <= 0:
                 probe_model = PathModel(m.model, (0,) * m.model.n_levels, m.seed).to(self.device)
-                tps = measure_tokens_per_second(probe_model, cfg.batch_size, m.seq_len, self.device)
+                tps = probes.measure_tokens_per_second(probe_model, cfg.batch_size, m.seq_len, self.device)
             with self._lock:
-                known = list(live_probes(self.dht, self.run_name, self.run_id)) + list(self.claims)
-            targets = sample_peers(known, self.peer_id, cycle, m.scheduler.max_links)
+                known = list(probes.live_probes(self.dht, self.run_name, self.run_id)) + list(self.claims)
+            targets = probes.sample_peers(known, self.peer_id, cycle, m.scheduler.max_links)
             links = self._probe_service.measure_links(targets) if self._probe_service and targets else {}
             record = ProbeRecord(
                 peer_id=self.peer_id,
                 tokens_per_second=max(tps, 1e-3),
-                memory_bytes=free_memory_bytes(self.device),
+                memory_bytes=probes.free_memory_bytes(self.device),
                 links={p: [lat, bw] for p, (lat, bw) in links.items()},
                 admission=self.standing.own_token,
             )
         self._probe_record = record
         with self._lock:
-            publish_probe(self.dht, self.key, self.run_name, self.run_id, record)
+            probes.publish_probe(self.dht, self.key, self.run_name, self.run_id, record)
 
     # --- choosing a path ------------------------------------------------------------------------
 
@@ -430,12 +422,14 @@ class Membership:
         self._stop.set()
         self._wake.set()
 
-    def leave(self) -> None:
-        """Stops the heartbeat and announces that we are leaving, so holders stop waiting for us."""
-        self._stop.set()
-        self._wake.set()
+    def _stop_heartbeat(self) -> None:
+        self.request_stop()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=10)
+
+    def leave(self) -> None:
+        """Stops the heartbeat and announces that we are leaving, so holders stop waiting for us."""
+        self._stop_heartbeat()
         if self.path is not None:
             try:
                 self.publish_claim(leaving=True)
@@ -446,5 +440,6 @@ class Membership:
                 logger.debug(f"could not announce leaving: {e}")
 
     def shutdown(self) -> None:
+        self._stop_heartbeat()  # before the DHT it publishes to goes (a leave may not have come first)
         if self._probe_service is not None:
             self._probe_service.shutdown()
