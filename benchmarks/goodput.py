@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--monitor_interval_seconds", type=float, default=2.0)
     p.add_argument("--run_timeout_seconds", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefetch_batches",
+        type=int,
+        default=None,
+        help="the peers' --prefetch_batches (0: every batch made in the loop); unset: the peer's default",
+    )
     p.add_argument("--arms", nargs="+", default=["rotation", "churn"], choices=["rotation", "churn"])
     return p.parse_args(argv)
 
@@ -125,9 +131,10 @@ def make_manifest(args: argparse.Namespace, name: str, rounds: int) -> RunManife
 def peer_argv(args, run: str, folder: Path, rounds: int, *extra: str) -> list[str]:
     """A volunteer's command line: its key and checkpoints in its own folder (a restart is the same
     peer, as with the Docker image's /data volume)."""
+    prefetch = [] if args.prefetch_batches is None else ["--prefetch_batches", str(args.prefetch_batches)]
     return ["--run", run, "--checkpoint_dir", str(folder), "--identity_path", f"{folder}.key",
             "--torch_threads", "1", "--batch_size", str(args.batch_size), "--heartbeat_seconds", "1",
-            "--max_rounds", str(rounds), *extra]  # fmt: skip
+            "--max_rounds", str(rounds), *prefetch, *extra]  # fmt: skip
 
 
 def histories(folder: Path, names: list[str]) -> dict[str, tuple[list[dict], dict]]:

@@ -1,17 +1,21 @@
 """A peer's data across its moves (`PathData`): a path it comes back to goes on where its stream
-stopped, a new router version starts the stream again, only the latest few streams are kept, and a
-path visited for the first time routes only what no earlier pass read."""
+stopped, a new router version starts the stream again, only the latest few streams are kept, a
+path visited for the first time routes only what no earlier pass read, and the next batches are made
+ahead of the loop without changing which batches it gets."""
 
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
 
 from peer.data.batches import PathBatches, encode_document
+from peer.data.prefetch import PrefetchedBatches
 from peer.data.routed import RoutedDocuments
 from peer.data.sources import load_documents
+from peer.errors import ConfigError
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
 from peer.seeding import stable_seed
@@ -121,7 +125,7 @@ def test_a_path_visited_first_routes_only_documents_no_earlier_pass_read_and_tra
     route = counting(route, calls)
     data = PathData(manifest, tokenizer, 4, None, "me")
     first = data.batches(0, route, [], step=0)
-    while data._streams[0].epoch == 0:  # path 0's whole first pass: every document routed once
+    while data._streams[0].stream.epoch == 0:  # path 0's whole first pass: every document routed once
         next(first)
     read = sum(calls)
     assert read > 0
@@ -136,17 +140,18 @@ def test_a_path_visited_first_routes_only_documents_no_earlier_pass_read_and_tra
 def test_a_restarted_peer_routes_none_of_the_documents_its_last_life_routed(run, tmp_path):
     manifest, tokenizer, route = run
     calls: list[int] = []
-    before = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path)
+    # no batches made ahead: the documents read are those the batches taken needed, counted exactly
+    before = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path, prefetch=0)
     first = before.batches(0, counting(route, calls), [], step=0)
     for _ in range(3):  # part of the first pass: the index on disk covers what was read
         next(first)
-    read, covered = sum(calls), before._streams[0].docs_seen
+    read, covered = sum(calls), before._streams[0].stream.docs_seen
     assert 0 < read <= covered < 400  # the corpus's 400 documents: some are left to read
     index = next((tmp_path / "routes").iterdir())
     with open(index, "ab") as f:
         f.write(b"\x01\x02\x03")  # a record torn by the kill
     calls.clear()
-    after = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path)  # the next life
+    after = PathData(manifest, tokenizer, 4, None, "me", index_dir=tmp_path, prefetch=0)  # the next life
     after.resume_from(before.positions(router_version=0))
     resumed = take(after.batches(0, counting(route, calls), [], step=3), 3)
     assert sum(calls) == 0  # before, the whole way to the position was routed again
@@ -157,7 +162,7 @@ def test_a_restarted_peer_routes_none_of_the_documents_its_last_life_routed(run,
     moved = take(stream, 40)
     for got, want in zip(moved, take(fresh_stream(manifest, tokenizer, route, 1, step=6), 40), strict=True):
         assert torch.equal(got, want)
-    while after._streams[1].epoch == 0:  # a whole first pass: what the index did not cover is routed
+    while after._streams[1].stream.epoch == 0:  # a whole first pass: what the index did not cover is routed
         next(stream)
     assert 0 < sum(calls) <= 400 - covered
     assert index.stat().st_size % 16 == 0
@@ -187,3 +192,82 @@ def test_documents_past_the_index_cap_are_routed_again_by_every_pass(run):
     first = routed.paths(0, texts, encode, wanted=0)
     assert len(routed) == 30 and sum(calls) == 40
     assert routed.paths(0, texts, encode, wanted=0) == first and sum(calls) == 50
+
+
+def settles(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def producers(*streams: PrefetchedBatches) -> list[str]:
+    """The names of the producer threads of `streams` that run."""
+    return [s._thread.name for s in streams if s._thread is not None and s._thread.is_alive()]
+
+
+def test_the_next_batches_are_made_ahead_on_a_thread_and_come_in_the_streams_order(run):
+    manifest, tokenizer, route = run
+    data = PathData(manifest, tokenizer, 4, None, "me", prefetch=2)
+    stream = data.batches(0, route, [], step=0)
+    got = take(stream, 3)
+    made = data._streams[0]
+    settles(lambda: made.pending == 2, "two batches made while the loop asked for none")
+    assert made.stream.batches_yielded == 5 and producers(made) == ["prefetch-path0"]
+    got += take(stream, 4)
+    for a, b in zip(got, take(fresh_stream(manifest, tokenizer, route, 0, step=0), 7), strict=True):
+        assert torch.equal(a, b)
+    data.shutdown()
+    assert producers(made) == []
+
+
+def test_a_checkpoint_counts_the_batches_the_loop_took_not_those_made_ahead(run):
+    manifest, tokenizer, route = run
+    before = PathData(manifest, tokenizer, 4, None, "me", prefetch=3)
+    take(before.batches(0, route, [], step=3), 4)
+    settles(lambda: before._streams[0].pending == 3, "three batches made ahead")
+    saved = before.positions(router_version=0)
+    assert saved["streams"] == [dict(path=0, seed=stable_seed("me", 3), batches=4)]
+    after = PathData(manifest, tokenizer, 4, None, "me", prefetch=3)  # the next life of the peer
+    after.resume_from(saved)
+    resumed = take(after.batches(0, route, [], step=9), 2)
+    reference = take(fresh_stream(manifest, tokenizer, route, 0, step=3), 6)
+    for a, b in zip(resumed, reference[4:], strict=True):  # the batches made ahead are not skipped
+        assert torch.equal(a, b)
+    settles(lambda: after._streams[0].pending == 3, "three batches made ahead again")
+    went_on = dict(path=0, seed=stable_seed("me", 3), batches=6)  # the 4 before, the 2 taken since
+    assert after.positions(router_version=0)["streams"] == [went_on]
+    before.shutdown()
+    after.shutdown()
+
+
+def test_a_move_stops_the_old_paths_producer_and_what_it_made_ahead_comes_first_on_return(run):
+    manifest, tokenizer, route = run
+    data = PathData(manifest, tokenizer, 4, None, "me", prefetch=2)
+    first = take(data.batches(0, route, [], step=0), 1)
+    settles(lambda: data._streams[0].pending == 2, "path 0's next batches made")
+    take(data.batches(1, route, [], step=1), 1)
+    kept = list(data._streams.values())
+    assert producers(*kept) == ["prefetch-path1"]  # one producer: the streams share what they route
+    assert data._streams[0].stream.batches_yielded == 3 and data._streams[0].pending == 2
+    back = take(data.batches(0, route, [], step=2), 3)
+    for a, b in zip(first + back, take(fresh_stream(manifest, tokenizer, route, 0, step=0), 4), strict=True):
+        assert torch.equal(a, b)
+    data.shutdown()
+    assert producers(*kept) == []
+
+
+def test_a_stream_that_cannot_make_a_batch_raises_its_error_where_the_loop_asks_every_time():
+    def failing():
+        yield torch.zeros(1)
+        yield torch.ones(1)
+        raise ConfigError("no training documents are routed to path 3")
+
+    batches = PrefetchedBatches(failing(), depth=2, name="failing")
+    assert torch.equal(next(batches), torch.zeros(1)) and torch.equal(next(batches), torch.ones(1))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="no training documents are routed to path 3"):
+            next(batches)
+    assert batches.handed == 2
+    batches.pause()
+    assert producers(batches) == []

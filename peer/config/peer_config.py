@@ -96,6 +96,13 @@ class PeerConfig(BaseModel):
     )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
     batch_size: int = Field(8, ge=1, description="sequences per inner step")
+    prefetch_batches: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="batches made ahead of the training loop on a thread of their own while the inner "
+        "step runs; 0: each made in the loop when it is needed",
+    )
     max_memory_bytes: int | None = Field(
         None,
         ge=1,

@@ -33,6 +33,7 @@ import torch
 
 from peer.config import RunManifest
 from peer.data.batches import PathBatches
+from peer.data.prefetch import PrefetchedBatches
 from peer.data.routed import RoutedDocuments
 from peer.data.sources import load_documents
 from peer.model.route import Route
@@ -57,13 +58,17 @@ class PathData:
         root: Path | None,
         seed_of: str,
         index_dir: Path | None = None,
+        prefetch: int = 2,
     ):
         """`root`: where the run's local data lies (`check_data`); `seed_of`: what makes this peer's
         data order its own (its peer id); `index_dir`: where the routing index of each router version
-        is kept for the next life of the peer (its checkpoint folder; None: not kept)."""
+        is kept for the next life of the peer (its checkpoint folder; None: not kept); `prefetch`: batches
+        made ahead of the loop (`PrefetchedBatches`; 0: none)."""
         self.manifest, self.tokenizer, self.batch_size = manifest, tokenizer, batch_size
         self.root, self.seed_of, self.index_dir = root, seed_of, index_dir
-        self._streams: dict[int, PathBatches] = {}  # path index -> its stream, least recent first
+        self.prefetch = prefetch
+        #: path index -> its stream, least recent first
+        self._streams: dict[int, PrefetchedBatches] = {}
         self._routed: RoutedDocuments | None = None  # of the latest route a stream was made with
         #: a checkpoint's positions not taken up yet: path index -> (seed, batches), and their router
         self._resume: dict[int, tuple[int, int]] = {}
@@ -78,8 +83,10 @@ class PathData:
         of the shard (seconds on a big corpus), before the peer says it is ready."""
         if router_version != self._resume_router:
             self._resume.clear()  # the positions of another route's streams
+        for kept in self._streams.values():
+            kept.pause()  # one producer at a time: the streams share what their first passes read
         stream = self._streams.pop(index, None)
-        if stream is None or stream.route is not route:
+        if stream is None or stream.stream.route is not route:
             m = self.manifest
             if self._routed is None or self._routed.route is not route:
                 if self._routed is not None:
@@ -90,7 +97,7 @@ class PathData:
                     file = Path(self.index_dir) / "routes" / name
                 self._routed = RoutedDocuments(route, m.dataset.eval_fraction, file=file)
             seed, skip = self._resume.pop(index, (stable_seed(self.seed_of, step), 0))
-            stream = PathBatches(
+            made = PathBatches(
                 load_documents(m.dataset, root=self.root, shard_folders=shard_folders),
                 route, index, self.tokenizer, m.seq_len, self.batch_size,
                 seed=seed, eval_fraction=m.dataset.eval_fraction, routed=self._routed,
@@ -98,20 +105,29 @@ class PathData:
             if skip:
                 started = time.monotonic()
                 logger.info(f"reading path {index}'s data again up to where it stood: {skip} batches in")
-                stream.skip(skip)
+                made.skip(skip)
                 logger.info(
                     f"path {index}'s data goes on after the {skip} batches its stream gave before the "
                     f"restart (read again in {time.monotonic() - started:.1f} s)"
                 )
+            stream = PrefetchedBatches(made, handed=skip, depth=self.prefetch, name=f"path{index}")
         self._streams[index] = stream
         while len(self._streams) > self.KEPT_PATHS:
             del self._streams[next(iter(self._streams))]
         return itertools.chain([next(stream)], stream)
 
+    def shutdown(self) -> None:
+        """Stops every stream's producer (the peer is leaving)."""
+        for stream in self._streams.values():
+            stream.pause()
+        if self._routed is not None:
+            self._routed.close()
+
     def positions(self, router_version: int) -> dict:
         """Where each kept stream of the latest route stands, for a checkpoint (`resume_from`)."""
         latest = self._routed.route if self._routed is not None else None
-        streams = {i: (s.seed, s.batches_yielded) for i, s in self._streams.items() if s.route is latest}
+        # the batches handed to the loop, not those made ahead of it: a resumed stream makes those again
+        streams = {i: (s.stream.seed, s.handed) for i, s in self._streams.items() if s.stream.route is latest}
         if router_version == self._resume_router:
             streams = {**self._resume, **streams}
         return dict(

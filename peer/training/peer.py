@@ -130,8 +130,9 @@ class Peer:
         self.artifacts, self.base = found
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         self.data = PathData(
-            self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id, cfg.checkpoint_dir
-        )
+            self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id, cfg.checkpoint_dir,
+            prefetch=cfg.prefetch_batches,
+        )  # fmt: skip
         admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
             self.dht, self.key, cfg, self.manifest, self.record, self._progress, self.device, admission
@@ -438,7 +439,8 @@ class Peer:
             self.membership.leave()
         # the sync layer first (its rounds use the others), the DHT last (every part talks through it)
         for part in (
-            self.sync, self.membership, self.router, self.metrics, self.dialback, self.artifacts, self.dht
+            self.data, self.sync, self.membership, self.router, self.metrics, self.dialback, self.artifacts,
+            self.dht,
         ):  # fmt: skip
             if part is not None:
                 part.shutdown()
