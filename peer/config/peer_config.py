@@ -97,11 +97,12 @@ class PeerConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
     batch_size: int = Field(8, ge=1, description="sequences per inner step")
     prefetch_batches: int = Field(
-        2,
+        0,
         ge=0,
         le=64,
         description="batches made ahead of the training loop on a thread of their own while the inner "
-        "step runs; 0: each made in the loop when it is needed",
+        "step runs; 0: each made in the loop when it is needed (on a CPU peer the thread cost more "
+        "than it saved: docs/benchmarks/goodput.md, session 42)",
     )
     max_memory_bytes: int | None = Field(
         None,

@@ -6,6 +6,12 @@ loop on the goodput benchmark (docs/benchmarks/goodput.md, session 37): seconds 
 step ran. One producer thread per stream makes the next `depth` batches while the inner step runs
 (its kernels let go of the interpreter), so the loop finds its batch ready.
 
+Off by default (`--prefetch_batches 0`): on CPU peers sharing their cores (the goodput benchmark's
+rotation arm, session 42) the time outside the steps rose from 1.5–1.9 to 2.4–2.9 ms a step with
+two batches made ahead: the producer's Python competes with the step's for the interpreter, and
+no core is idle to take it. Where the step runs on an accelerator and cores are free, it may pay;
+that is not measured yet.
+
 The order is the stream's: one producer at a time, first in first out. A stream paused (its peer
 moved to another path) keeps what it made, and hands it out first when the peer comes back, so the
 data a peer sees is the same as without prefetching. `handed` counts the batches the loop took, not

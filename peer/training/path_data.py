@@ -58,7 +58,7 @@ class PathData:
         root: Path | None,
         seed_of: str,
         index_dir: Path | None = None,
-        prefetch: int = 2,
+        prefetch: int = 0,
     ):
         """`root`: where the run's local data lies (`check_data`); `seed_of`: what makes this peer's
         data order its own (its peer id); `index_dir`: where the routing index of each router version
