@@ -15,12 +15,20 @@ report omits it, and never because of reports of keys without standing.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
 
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.identity import canonical_bytes, signer_of
 from peer.sync.wire import Report
+
+logger = logging.getLogger(__name__)
+
+#: how long an echo waits for our report's push to the same member to be answered: the answer says
+#: whether it holds our report (`relayed`); usually a few milliseconds
+ECHO_PUSH_WAIT_SECONDS = 0.5
 
 
 def _body(report: Report) -> bytes:
@@ -93,3 +101,27 @@ def majority_state(reports: dict[str, Report], voters: list[str]) -> str | None:
         return None
     digest, count = Counter(reports[v].state_digest for v in voters).most_common(1)[0]
     return digest if 2 * count > len(voters) else None
+
+
+def relayed(held: list[Report], me: str, holds_ours: bool, caught: dict) -> list[Report]:
+    """What our echo relays to a member: every report we hold (both of an equivocator's) but ours to a
+    member that acknowledged it. It holds ours, and we signed one: relaying it back catches nothing,
+    and in a group of n it was 1 of the n reports of each echo. The member's own report does go back:
+    if it signed another for others, that is how it learns it was caught and leaves itself out too."""
+    skip_ours = holds_ours and me not in caught
+    return [r for r in held if not (skip_ours and r.reporter == me)]
+
+
+async def send_echo(service, member: str, frames_for, deadline: float, key, pushed, sent: dict) -> None:
+    """Relays our reports to `member` (`frames_for(member)`) once `pushed`, our report's push to it, is
+    answered or a moment has passed; its bytes go to `sent[key]` while the round counts them."""
+    loop = asyncio.get_running_loop()
+    if pushed is not None:
+        await asyncio.wait({pushed}, timeout=min(ECHO_PUSH_WAIT_SECONDS, max(0.0, deadline - loop.time())))
+    frames = frames_for(member)
+    try:
+        await service.send_all(member, frames, max(0.1, deadline - loop.time()))
+        if key in sent:
+            sent[key] += sum(len(f) for f in frames)
+    except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
+        logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")

@@ -42,7 +42,7 @@ from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part, lagging, past_round
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.probe import probe_silent
-from peer.sync.reports import sign_report
+from peer.sync.reports import relayed, send_echo, sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.sitting_out import VOID, SittingOut
@@ -53,9 +53,6 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
-#: how long an echo waits for our report's push to the same member to be answered (the answer says
-#: whether to relay our report to it again); usually a few milliseconds
-ECHO_PUSH_WAIT_SECONDS = 0.5
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 #: a member that said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already)
 SAT_OUT = "sat out (it sent this round already)"
@@ -301,10 +298,8 @@ class RoundRunner:
         deadline = loop.time() + self.settings.report_timeout_seconds
         frames = [wire.pack_header(Kind.REPORT, report)]
         reported_to: set[str] = set()  # members that acknowledged our report: it is in their slot
-        pushes = {
-            m: asyncio.create_task(self._send(m, frames, deadline, {}, key, report=True, took=reported_to))
-            for m in others
-        }
+        push = {m: self._send(m, frames, deadline, {}, key, report=True, took=reported_to) for m in others}
+        pushes = {m: asyncio.create_task(c) for m, c in push.items()}
         sends = list(pushes.values())
         reporters = [s for s in received if s != self.me]  # members alive enough to have sent us their Δ
         dead: dict[str, str] = {}  # a member killed after its part came: its host refuses our probe
@@ -325,46 +320,23 @@ class RoundRunner:
         logger.debug(f"{key}: reports from {sorted(slot.reports.reports)} of {reporters}")
         # the echo: every report we hold (both of an equivocator's), to every member that reported
         held = list(slot.reports.reports.values()) + [b for _, b in slot.reports.equivocators.values()]
-        packed = [(r.reporter, wire.pack_header(Kind.REPORT, r)) for r in held]
         targets = sorted(r for r in slot.reports.reports if r != self.me and r in received)
         echo_deadline = loop.time() + self.settings.report_timeout_seconds
 
-        # a member that acknowledged our report holds it: relaying it back catches nothing (we signed
-        # one), and in a group of n it was 1 of the n reports of each echo. Its own report is relayed
-        # back: if it signed another for others, that is how it learns it was caught, and it leaves
-        # itself out as the others do (same bits)
         def echo_frames(member: str) -> list[bytes]:
-            ours = member in reported_to and self.me not in slot.reports.equivocators
-            relayed = [frame for reporter, frame in packed if not (ours and reporter == self.me)]
-            echo = wire.Echo(run=service.run, key=round_key, count=len(relayed))
-            return [wire.pack_header(Kind.ECHO, echo), *relayed]
+            sent = relayed(held, self.me, member in reported_to, slot.reports.equivocators)
+            echo = wire.Echo(run=service.run, key=round_key, count=len(sent))
+            return [wire.pack_header(Kind.ECHO, echo), *(wire.pack_header(Kind.REPORT, r) for r in sent)]
 
-        sends += [
-            asyncio.create_task(self._echo(m, echo_frames, echo_deadline, key, pushes.get(m)))
-            for m in targets
-        ]
+        for m in targets:
+            echo = send_echo(self.service, m, echo_frames, echo_deadline, key, pushes.get(m), self._sent)
+            sends.append(asyncio.create_task(echo))
         # a member echoes only to those whose part it received: one whose report leaves ours out (it
         # gathered before our part came) sends us no echo, and waiting for it would only cost time
         reports = slot.reports.reports
         echoing = [m for m in targets if self.me in reports[m].received]
         await inbox.wait(key, lambda slot: all(m in slot.echoes for m in echoing), echo_deadline)
         return sends
-
-    async def _echo(self, member: str, frames_for, deadline: float, key: Key, pushed) -> None:
-        """Relays the reports to `member` (`frames_for(member)`), once our push of our own report to it
-        is answered or a moment has passed: the answer says whether it holds ours."""
-        loop = asyncio.get_running_loop()
-        if pushed is not None:
-            await asyncio.wait(
-                {pushed}, timeout=min(ECHO_PUSH_WAIT_SECONDS, max(0.0, deadline - loop.time()))
-            )
-        frames = frames_for(member)
-        try:
-            await self.service.send_all(member, frames, max(0.1, deadline - loop.time()))
-            if key in self._sent:
-                self._sent[key] += sum(len(f) for f in frames)
-        except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
-            logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")
 
     async def _send(
         self,
