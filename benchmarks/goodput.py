@@ -54,6 +54,7 @@ from peer.model.tokenizer import load_tokenizer  # noqa: E402
 from peer.model.transformer import PathModel  # noqa: E402
 from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
+from peer.training.history import LOOP_PARTS  # noqa: E402
 
 #: what a member logs when the digests in a round's reports show its copy split from the group's:
 #: every member that merges logs it, so a split is counted once per (module, fragment, round)
@@ -211,10 +212,17 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
         for p, n in meta["path_steps"].items():
             path_steps[p] = path_steps.get(p, 0) + int(n)
     monitor = statistics.fmean(shown) if shown else float("nan")
+    # where the loop's time went, as fractions of it (what no lap holds: before the first lap, the drain)
+    parts = {k: 0.0 for k in LOOP_PARTS}
+    for h, _ in hist.values():
+        for e in h:
+            for k, v in e.get("loop_parts_seconds", {}).items():
+                parts[k] = parts.get(k, 0.0) + v
     return dict(
         peers=len(names),
         rounds=args.rounds,
         train_fraction=step_seconds / loop_seconds,
+        loop_parts={k: v / loop_seconds for k, v in parts.items()},
         tokens_per_second=measured,
         monitor_tokens_per_second=monitor,
         monitor_error=abs(monitor - measured) / measured,
@@ -304,6 +312,9 @@ def table(report: dict) -> str:
         r = report["rotation"]
         rows += [
             f"| rotation | train_fraction | {r['train_fraction']:.3f} | ≥ {TARGETS['train_fraction']} |",
+            "| rotation | the loop's time by part | "
+            + ", ".join(f"{k} {v:.1%}" for k, v in r["loop_parts"].items())
+            + " | |",
             f"| rotation | moves (rotations made) | {r['moves']} | |",
             f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
             f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",

@@ -12,6 +12,7 @@ from monitoring.metrics import PeerMetrics
 from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
 from peer.model.grid import TRUNK, ModelConfig
 from peer.model.transformer import PathModel
+from peer.sync.outer import heard_within
 from peer.sync.path_sync import PathSync
 
 pytestmark = pytest.mark.swarm
@@ -46,6 +47,50 @@ def test_the_holder_a_mover_loaded_a_module_from_is_a_member_of_its_next_round_o
         assert mover.outer.members_of(TRUNK, holders) == sorted([mover.peer_id, holder.peer_id])
         # only for the module it served: another module's rounds still leave it to the budget
         assert mover.service.inbox.unproven([holder.peer_id], 60, "l0m0") == [holder.peer_id]
+    finally:
+        for ps in syncs:
+            ps.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_mover_says_bye_to_the_holders_it_leaves_without_waiting_for_their_answers(
+    dht_factory, monkeypatch
+):
+    # a holder's answer waits behind its own round work: a rotation that waited on each answer paused
+    # training for most of its length (the goodput benchmark's rotation laps); a leaving peer still waits
+    sync = SyncConfig(inner_steps=8, codec="fp32")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
+    syncs: list[PathSync] = []
+    try:
+        for seed in (1, 2):
+            dht, key = dht_factory()
+            peer_id = str(dht.peer_id)
+            ps = PathSync(
+                manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, PeerMetrics("t", peer_id, "0", "t")
+            )
+            ps.start(dht, lambda peer, module: True, key=key)
+            syncs.append(ps)
+        mover, holder = syncs
+        assert mover.fetch_state(mover.syncs[TRUNK], [holder.peer_id])  # heard from: a bye goes to it
+        deadline = time.monotonic() + 10  # noted on the sync service's event loop
+        while (
+            not mover.service.inbox.heard([holder.peer_id], heard_within(sync))
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert mover.service.inbox.heard([holder.peer_id], heard_within(sync)) == [holder.peer_id]
+        monkeypatch.setenv("PATHSWARM_FAULTS", "sync.on_bye=stall:3")
+        started = time.monotonic()
+        mover.say_bye([TRUNK], {TRUNK: [holder.peer_id]}, wait=False)
+        assert time.monotonic() - started < 1.0
+        deadline = time.monotonic() + 15
+        while not holder.service.inbox.gone(mover.peer_id, TRUNK) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holder.service.inbox.gone(mover.peer_id, TRUNK)  # it was sent all the same
+        assert time.monotonic() - started >= 3.0  # and only once the stalled holder took it
+        started = time.monotonic()
+        mover.say_bye(["l0m0"], {"l0m0": [holder.peer_id]})  # leaving: waits for the answer
+        assert time.monotonic() - started >= 3.0
     finally:
         for ps in syncs:
             ps.shutdown()

@@ -4,6 +4,7 @@ rounds (a joiner's, or a new swarm's) report a dropped member, a repair or a mer
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import torch
@@ -16,7 +17,7 @@ from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import FragmentDone
 from peer.sync.rounds import RoundResult
 from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
-from peer.training.history import RoundHistory
+from peer.training.history import LOOP_PARTS, RoundHistory
 
 
 def _round(h: RoundHistory, swarm_round: int) -> None:
@@ -34,6 +35,28 @@ def test_own_rounds_count_this_peers_rounds_whatever_the_swarms_round():
     resumed.restore(h.entries, 1.0, own_rounds=h.own_rounds)
     _round(resumed, 40)
     assert resumed.own_rounds == 4
+
+
+def test_a_rounds_entry_says_where_every_part_of_the_loops_time_went():
+    # the loop laps its parts in order; a slow batch and a slow sync show under their own names
+    h = RoundHistory()
+    h.start_clock()
+    for slow in ("batches", "sync"):
+        time.sleep(0.05 if slow == "batches" else 0.0)
+        h.lap("batches")
+        h.add_step(1.0)
+        h.lap("loop")
+        time.sleep(0.05 if slow == "sync" else 0.0)
+        h.lap("sync")
+        h.lap("pace")
+    done = FragmentDone(0, 10, {"trunk": RoundResult("averaged", torch.zeros(1), 2)})
+    parts = h.end_round(1, 2, 100, done)["loop_parts_seconds"]
+    assert set(parts) == set(LOOP_PARTS) and parts["rotation"] == 0.0
+    assert 0.05 <= parts["batches"] < 0.5 and 0.05 <= parts["sync"] < 0.5
+    assert parts["step"] == h.entries[-1]["step_seconds"]
+    # the laps hold the whole of the loop's time: nothing falls between two parts
+    assert abs(sum(parts.values()) - h.entries[-1]["train_seconds"]) < 0.01
+    assert sum(h.end_round(2, 2, 100, done)["loop_parts_seconds"].values()) < 0.01  # per round
 
 
 def test_a_checkpoint_without_the_count_counts_its_history_entries():

@@ -325,9 +325,12 @@ class PathSync:
         self.align()
         return downloaded
 
-    def say_bye(self, modules: list[str], holders: dict[str, list[str]], timeout: float = 3.0) -> None:
+    def say_bye(
+        self, modules: list[str], holders: dict[str, list[str]], timeout: float = 3.0, wait: bool = True
+    ) -> None:
         """Tells the other holders of `modules` that we stop holding them now (we move to another path,
-        or leave), so that their rounds do not wait for us; best effort, at most `timeout`."""
+        or leave), so that their rounds do not wait for us; best effort, at most `timeout`. `wait`: for
+        their answers (a peer leaving), else sent from the service's loop as we go on (a move)."""
         if self.service is None or not modules:
             return
         # heard-from holders only (`Inbox.unproven`): a flood of claims must not make a leave dial every key
@@ -336,7 +339,10 @@ class PathSync:
         if not peers:
             return
         frames = [wire.pack_header(Kind.BYE, wire.Bye(run=self.service.run, modules=modules))]
-        self.service.request_each(peers, frames, timeout)
+        if wait:
+            self.service.request_each(peers, frames, timeout)
+        else:
+            self.service.submit(self.service.ask_each(peers, frames, timeout))
 
     def say_hello(self, holders: dict[str, list[str]], timeout: float) -> bool:
         """Tells the other holders of our modules (we just moved here) to read our claim; whether all

@@ -125,6 +125,7 @@ class SyncService:
             elif kind == Kind.BYE:
                 bye = wire.parse(wire.Bye, body)
                 self._check_run(bye.run)
+                fault_point("sync.on_bye")  # a holder slow to answer (tests: a move does not wait for it)
                 self.inbox.note_bye(sender, bye.modules)
             elif kind == Kind.SIT_OUT:
                 sit = wire.parse(wire.SitOut, body)

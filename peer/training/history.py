@@ -4,7 +4,8 @@ One entry per outer round (fragment 0's sync): the round, steps and tokens so fa
 loss of the round, the outcome of every module's sync per fragment, the bytes this peer sent over
 the round and for its largest single sync event, how long each of the round's syncs took from its
 start to its result, the groups, the training time, and the seconds of the round spent inside inner
-steps (`step_seconds`: not waiting on a sync, a rotation or a checkpoint). Benchmarks (the WAN lab,
+steps (`step_seconds`: not waiting on a sync, a rotation or a checkpoint), and where all of the loop's
+time went (`loop_parts_seconds`, `LOOP_PARTS`: its laps add up to the loop's time). Benchmarks (the WAN lab,
 goodput) and the demo read these entries from the checkpoints. `own_rounds` counts the rounds this
 peer completed (across resumes, unlike the swarm's round number in each entry): what --max_rounds
 limits. `Throughput` is the tokens per second a peer reports in its claim and metrics.
@@ -16,6 +17,10 @@ import time
 
 from peer.sync.outer import FragmentDone
 
+#: the parts of the training loop, in the order they run: making the batch, the inner step, the loop's
+#: own bookkeeping (metrics, the holders' view), syncs and round ends, a rotation, the wait that
+#: --max_inner_steps_per_second asks for
+LOOP_PARTS = ("batches", "step", "loop", "sync", "rotation", "pace")
 #: throughput is reported over windows of at least this long
 TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
 
@@ -57,9 +62,20 @@ class RoundHistory:
         self._fragments: dict[str, dict[str, str]] = {}
         self._seconds_before = 0.0  # training time of the runs this one resumed
         self._clock: float | None = None
+        self._laps = dict.fromkeys(LOOP_PARTS, 0.0)
+        self._lap_started = time.perf_counter()
 
     def start_clock(self) -> None:
         self._clock = time.monotonic()
+        self._lap_started = time.perf_counter()
+
+    def lap(self, part: str) -> float:
+        """Counts the time since the last lap (or the clock's start) as `part` of the loop (one of
+        `LOOP_PARTS`); returns the time now (`time.perf_counter`)."""
+        now = time.perf_counter()
+        self._laps[part] += now - self._lap_started
+        self._lap_started = now
+        return now
 
     @property
     def train_seconds(self) -> float:
@@ -74,10 +90,12 @@ class RoundHistory:
         # completed (exact below 200 rounds, a lower bound past them).
         self.own_rounds = len(self.entries) if own_rounds is None else own_rounds
 
-    def add_step(self, loss: float, seconds: float) -> None:
-        """One inner step: its training loss and how long it took (forward, backward, optimizer)."""
+    def add_step(self, loss: float) -> None:
+        """One inner step, just made: its training loss; its time (forward, backward, optimizer) is the
+        lap since the batch was made."""
+        began = self._lap_started
         self._losses.append(loss)
-        self._step_seconds += seconds
+        self._step_seconds += self.lap("step") - began
 
     def add_sync(self, done: FragmentDone) -> None:
         self._bytes += done.bytes_sent
@@ -105,10 +123,12 @@ class RoundHistory:
             time=time.time(),
             train_seconds=self.train_seconds,
             step_seconds=self._step_seconds,
+            loop_parts_seconds=dict(self._laps),
         )
         self.entries.append(entry)
         self.own_rounds += 1
         self._losses, self._fragments, self._sync_seconds = [], {}, []
         self._bytes = self._peak_bytes = 0
         self._step_seconds = 0.0
+        self._laps = dict.fromkeys(LOOP_PARTS, 0.0)
         return entry

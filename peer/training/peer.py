@@ -256,9 +256,9 @@ class Peer:
         while not self._finishing():
             fault_point("train.step")
             batch = next(self.batches).to(self.device)
-            began = time.perf_counter()
+            began = self.history.lap("batches")  # every part of the loop is a lap (history.LOOP_PARTS)
             self.last_loss = inner_step(self.model, self.inner, batch, m.inner, self.step, autocast=autocast)
-            self.history.add_step(self.last_loss, time.perf_counter() - began)
+            self.history.add_step(self.last_loss)
             tokens = tokens_in(batch)
             if first_step:
                 first_step = False
@@ -270,13 +270,17 @@ class Peer:
             self.tokens_total += tokens
             self.metrics.observe_step(tokens, self.last_loss, self.throughput.add(tokens))
             holders = self.membership.holders()
+            self.history.lap("loop")
             for done in self.sync.after_step(self.step, self.tokens_total, holders):
                 self._fragment_done(done, holders)
+            self.history.lap("sync")
             if self._rotation is not None:  # decided at the round's end, made once its syncs are all done
                 rotation, self._rotation = self._rotation, None
                 self._rotate(rotation)
                 self.model.train()
+                self.history.lap("rotation")
             self._pace(began)
+            self.history.lap("pace")
         holders = self.membership.holders()
         for done in self.sync.drain(self.step):
             self._fragment_done(done, holders)
@@ -303,10 +307,8 @@ class Peer:
         self.metrics.set_rounds(self.outer_round, own)
         loss, outcomes = entry["loss"], entry["outcomes"]
         logger.info(f"round {self.outer_round} step {self.step} loss {loss:.4f} {outcomes} (own round {own})")
-        if (
-            self.config.checkpoint_dir is not None
-            and self.outer_round % self.config.checkpoint_every_rounds == 0
-        ):
+        cfg = self.config
+        if cfg.checkpoint_dir is not None and self.outer_round % cfg.checkpoint_every_rounds == 0:
             # a full disk must not stop the training: the last good checkpoint stays, we retry next round
             if not self._try_checkpoint("checkpoint failed, training goes on"):
                 self.metrics.checkpoint_failed()
@@ -360,7 +362,7 @@ class Peer:
             return
         old_model, old_sync = self.model, self.sync
         # the modules we leave: their other holders' rounds must not wait for us from now on
-        self.sync.say_bye(dropped, self.membership.holders())
+        self.sync.say_bye(dropped, self.membership.holders(), wait=False)
         self.membership.move_to(new_path)
         moved_at = time.monotonic()
         self.path = new_path
