@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 import hivemind
@@ -184,7 +185,37 @@ def start_dht(
         raise SwarmError(explain_start_failure(e, initial_peers, str(identity_file))) from None
     finally:
         forget_ephemeral_identity(identity_file)  # the daemon has read it (or never will)
+    serialize_calls(dht)
     return dht, key
+
+
+class _SerialSends:
+    """A connection whose `send` one thread at a time may use (the rest is the connection's own)."""
+
+    def __init__(self, connection):
+        self._connection, self._lock = connection, threading.Lock()
+
+    def send(self, obj) -> None:
+        with self._lock:
+            self._connection.send(obj)
+
+    def __getattr__(self, name):
+        return getattr(self._connection, name)
+
+
+def serialize_calls(dht: hivemind.DHT) -> hivemind.DHT:
+    """Makes a started DHT's calls safe from several threads at once.
+
+    hivemind 1.1.12's DHT client writes every call (get, store, run_coroutine) into one pipe to the
+    DHT's process (`DHT._outer_pipe`) without a lock. A call is a pickled message whose bytes go out in
+    more than one write once it is larger than the pipe takes at once, so two threads calling at the
+    same moment can interleave them: the DHT process then unpickles garbage and dies (seen here with
+    8 threads storing 40 kB values). A peer calls its DHT from its heartbeat, its training loop and its
+    services' threads, so every send takes this lock; the calls themselves, and the waits for their
+    answers, still run side by side."""
+    if not isinstance(dht._outer_pipe, _SerialSends):
+        dht._outer_pipe = _SerialSends(dht._outer_pipe)
+    return dht
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

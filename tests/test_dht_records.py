@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 
 import pytest
@@ -200,3 +201,32 @@ def test_a_request_that_reaches_the_dht_process_in_parts_leaves_it_alive(dht_fac
         del pipe._send
     assert dht.is_alive()
     assert dht.get("small-request", latest=True).value == b"y"
+
+
+@pytest.mark.timeout(60)
+def test_calls_from_many_threads_at_once_leave_the_dht_process_alive_and_answer_each(dht_factory):
+    # hivemind writes each call into one pipe with no lock: two threads' requests written at once
+    # interleave there (a request over 16 kB goes out as its length, then its body) and the DHT process
+    # dies, leaving every caller waiting forever. A peer calls its DHT from its heartbeat, its training
+    # loop and its services at once.
+    dht, _ = dht_factory()
+    failures: list[str] = []
+
+    def calls(thread: int) -> None:
+        try:
+            for i in range(30):
+                value = bytes([thread]) * (20_000 + i)
+                key = f"threads-{thread}-{i}"
+                assert dht.store(key, value, get_dht_time() + 60, return_future=True).result(10)
+                assert dht.get(key, latest=True, return_future=True).result(10).value == value
+        except BaseException as e:  # noqa: BLE001 - reported below, with the thread
+            failures.append(f"thread {thread}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=calls, args=(t,), daemon=True) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert dht.is_alive()
+    assert not failures, failures
+    assert not any(t.is_alive() for t in threads)
