@@ -4,14 +4,18 @@ decides that round alone and their copies split (the goodput churn arm's double 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from dht.node import start_dht
 from monitoring.metrics import PeerMetrics
 from peer.config import PeerConfig
-from peer.model.grid import all_paths, path_module_ids
+from peer.model.grid import all_paths, path_index, path_module_ids
 from peer.run.record import load_verified_manifest
+from peer.swarm.claims import publish_claim
 from peer.swarm.membership import Membership, Progress
 from tests.swarm_harness import RUN, write_manifest
 
@@ -52,3 +56,31 @@ def test_a_holder_that_claimed_after_our_first_read_is_in_our_view_once_we_say_w
             m.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_claim_the_heartbeat_made_as_we_moved_is_stored_with_the_path_we_moved_to(tmp_path):
+    # the heartbeat's publish waits while the move's own store is in flight; made before the move and
+    # stored after it, its record put the mover back on its old path in every view (same step, later
+    # expiry) until the next beat: holders of its new modules left it out of their rounds as gone
+    # (goodput rotation arm: a 5 s stall of every peer, twice in 30 runs)
+    path, _ = write_manifest(tmp_path)
+    manifest, record = load_verified_manifest(path)
+    dht, key = start_dht(run_name=RUN, run_id=record.run_id)
+    config = PeerConfig(run=RUN, new_swarm=True, manifest_path=path, checkpoint_dir=tmp_path / "a")
+    member = Membership(dht, key, config, manifest, record, Progress, torch.device("cpu"))
+    try:
+        old, new = all_paths(manifest.model)[:2]
+        member.claim_path(old)
+        with member._lock:  # the move's store is in flight
+            beat = threading.Thread(target=member.publish_claim)
+            beat.start()
+            time.sleep(0.5)  # the heartbeat waits for the lock
+            member.path, member.ready = new, False  # Membership.move_to
+            publish_claim(dht, key, RUN, record.run_id, member.claim_record())
+        beat.join(30)
+        assert not beat.is_alive()
+        claim = member.read_claims()[member.peer_id]
+        assert claim.path == path_index(manifest.model, new), claim
+    finally:
+        member.shutdown()
+        dht.shutdown()

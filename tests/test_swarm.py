@@ -217,7 +217,15 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
             )
             wait_for(lambda: list_checkpoints(ckpt), 90, "a first checkpoint", swarm)
             peer_id = wait_for(lambda: next(iter(live_claims(watcher, RUN, run_id, 4)), None), 30, "a claim")
-            time.sleep(1.0)
+
+            def stalled_claim():
+                found = live_claims(watcher, RUN, run_id, 4).get(peer_id)
+                return found if found is not None and found.step == 14 else None
+
+            # mid-round, a claim says its steps per path as of its last round's end: the rotation,
+            # which carries a claim one round behind to its round, counts no step twice
+            stalled = wait_for(stalled_claim, 10, "the claim of the stalled step", swarm)
+            assert stalled.outer_round == 1 and sum(stalled.path_steps.values()) == 10, stalled
             swarm.kill("p", signal.SIGTERM)
             started = time.monotonic()
             assert swarm.wait("p", timeout=60) == 0

@@ -67,7 +67,8 @@ class Progress:
     bad_parts: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
-    #: path index -> inner steps this peer trained on it (several paths once it rotated)
+    #: path index -> inner steps trained on it, as of the end of round `outer_round`: a claim read
+    #: mid-round counts no steps of the next (peer.swarm.rotation.round_view carries it one round on)
     path_steps: dict[int, int] = field(default_factory=dict)
 
 
@@ -102,7 +103,9 @@ class Membership:
         self.claims: dict[str, ClaimRecord] = {}
         self._holders: tuple[dict, dict[str, list[str]]] = ({}, {})  # (the view, its ready holders)
         self.snapshot = None
-        self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
+        self._lock = threading.Lock()  # our records are published one at a time, in order
+        # reads apart from publishes: the loop's read at a rotation waited for the heartbeat's stores
+        self._view_lock = threading.Lock()
         self._claim_view = ClaimView.of_run(manifest, record)
         self._probes: dict[str, ProbeRecord] = {}
         self._probe_record: ProbeRecord | None = None
@@ -125,7 +128,7 @@ class Membership:
     # --- views ----------------------------------------------------------------------------------
 
     def read_claims(self) -> dict[str, ClaimRecord]:
-        with self._lock:
+        with self._view_lock:
             self.claims = self._claim_view.update(self.dht)
         return self.claims
 
@@ -152,13 +155,13 @@ class Membership:
 
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """(keeper peer id, total fragment rounds) of every module a keeper holds."""
-        with self._lock:
+        with self._view_lock:
             kept = kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)
         kept.pop("", None)
         return kept
 
     def keepers(self) -> list[str]:
-        with self._lock:
+        with self._view_lock:
             return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)[""]]
 
     def _token_of(self, peer: str) -> str:
@@ -206,9 +209,10 @@ class Membership:
         )  # fmt: skip
 
     def publish_claim(self, leaving: bool = False) -> None:
-        record = self.claim_record(leaving)
+        # the record is made under the lock: one made before a move and stored after it put the
+        # mover back on its old path in every view (same step, later expiry) until the next beat
         with self._lock:
-            publish_claim(self.dht, self.key, self.run_name, self.run_id, record)
+            publish_claim(self.dht, self.key, self.run_name, self.run_id, self.claim_record(leaving))
 
     def announce(self) -> None:
         """Publishes our claim (new progress and digests) from the heartbeat thread, at once: the

@@ -100,8 +100,8 @@ class Peer:
         self.throughput = Throughput()
         self.history = RoundHistory()
         self.contribution = ContributionLedger(lambda: (self.step, self.tokens_total, self.path_steps))
-        #: path index -> inner steps this peer trained on it (several paths once it rotated)
-        self.path_steps: dict[int, int] = {}
+        #: path index -> inner steps trained on it (several paths once it rotated); as of the last round's end
+        self.path_steps, self.round_path_steps = {}, {}
         #: the move decided at a round's end, made in the loop once that step's syncs are handled
         self._rotation: Rotation | None = None
         self._closed = False
@@ -241,7 +241,7 @@ class Peer:
             progress.sync_outcomes = dict(totals.outcomes)
             progress.bad_parts = dict(totals.bad_parts)
             progress.bytes_sent, progress.bytes_received = totals.bytes_sent, totals.bytes_received
-        progress.path_steps = dict(self.path_steps)
+        progress.path_steps = dict(self.round_path_steps)
         return progress
 
     # --- training -------------------------------------------------------------------------------
@@ -302,6 +302,7 @@ class Peer:
         # so its sync count is the swarm's clock (a peer that synced alone is set back when it repairs).
         self.outer_round = self.sync.outer_round
         entry = self.history.end_round(self.outer_round, self.step, self.tokens_total, done)
+        self.round_path_steps = dict(self.path_steps)
         # the log and the metrics show the swarm's round (the DHT claims carry it too) and our own count
         own = self.history.own_rounds
         self.metrics.set_rounds(self.outer_round, own)
@@ -405,7 +406,7 @@ class Peer:
         index = path_index(self.manifest.model, self.path)
         c = self.checkpoints.restore(tensors, meta, index, self.sync, self.model, self.history)
         self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
-        self.path_steps = c.path_steps
+        self.path_steps, self.round_path_steps = c.path_steps, dict(c.path_steps)
         self.contribution.restore(meta, self.peer_id)
         if "data" in meta:
             self.data.resume_from(meta["data"])
