@@ -10,7 +10,8 @@ tokens each had trained at each round's end, over the window where all of them w
 `monitor_tokens_per_second` is the mean of what the monitor's status showed over that same window.
 `max_round_gap_seconds`: the longest time between two consecutive rounds of one peer. `moves`: the
 rotations the peers made (their "rotating from path" lines), beside `train_fraction` because fewer
-moves raise it (session 35 took a fraction bought by moves not made for a gain).
+moves raise it (session 35 took a fraction bought by moves not made for a gain); `double_moves`: moves
+onto a path another peer moved onto at the same round (peers whose claim views planned differently).
 
 `churn`: 4 peers, one per path, training for `--churn_seconds` from launch (then every peer is sent
 SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer (seeded) is SIGKILLed
@@ -63,6 +64,10 @@ SPLIT_LINE = re.compile(
 )
 #: what a peer logs when it rotates to another path (peer.training.peer)
 MOVE_MARK = "rotating from path"
+#: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
+ROUND_OR_MOVE = re.compile(
+    r"INFO peer\.training\.peer: (?:round (\d+) step|rotating from path \d+ to path (\d+))"
+)
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
 
 
@@ -73,6 +78,20 @@ def count_splits(logs: Path) -> int:
     for log in logs.glob("p*.log"):
         found |= {m.groups() for m in SPLIT_LINE.finditer(log.read_text(errors="replace"))}
     return len(found)
+
+
+def count_double_moves(logs: Path) -> int:
+    """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
+    claims gave different plans (every peer should compute the same one, with one mover per target)."""
+    movers: dict[tuple[int, int], set[str]] = {}
+    for log in logs.glob("p*.log"):
+        peer, last_round = log.name.split(".")[0], None  # p1.1.log: p1 restarted
+        for found in ROUND_OR_MOVE.finditer(log.read_text(errors="replace")):
+            if found.group(1) is not None:
+                last_round = int(found.group(1))
+            elif last_round is not None:
+                movers.setdefault((last_round, int(found.group(2))), set()).add(peer)
+    return sum(len(peers) - 1 for peers in movers.values())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,6 +252,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
         path_steps=dict(sorted(path_steps.items())),
         rounds_split=count_splits(folder / "logs"),
         moves=count_marks(folder / "logs", (MOVE_MARK,)),
+        double_moves=count_double_moves(folder / "logs"),
         seconds=round(time.monotonic() - started, 1),
     )
 
@@ -315,7 +335,8 @@ def table(report: dict) -> str:
             "| rotation | the loop's time by part | "
             + ", ".join(f"{k} {v:.1%}" for k, v in r["loop_parts"].items())
             + " | |",
-            f"| rotation | moves (rotations made) | {r['moves']} | |",
+            f"| rotation | moves (rotations made), onto a path another peer took at the same round | "
+            f"{r['moves']}, {r.get('double_moves', '–')} | |",
             f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
             f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",
             f"| rotation | round gap max, median (s) | {r['max_round_gap_seconds']:.1f}, "

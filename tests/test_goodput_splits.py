@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from benchmarks.goodput import count_splits
+from benchmarks.goodput import count_double_moves, count_splits
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel
@@ -37,3 +37,26 @@ def test_a_split_merged_by_both_holders_counts_once_and_each_other_round_once_mo
     (tmp_path / "p1.log").write_text(f"x WARNING {merged}\nx WARNING {repaired_alike}\n")
     (tmp_path / "p1.1.log").write_text(f"{repaired}\n{repaired}\n")  # a restarted process's earlier log
     assert count_splits(tmp_path) == 3, [merged, later, repaired]  # rounds 0, 1 and 6
+
+
+def test_two_peers_moving_onto_one_path_at_the_same_round_count_as_a_double_move(tmp_path):
+    """Every peer plans the rotation alike from the claims, one mover per target: two movers onto one
+    path at one round's end are peers whose views planned differently (goodput's rotation arm)."""
+    line = "2026-12-05 02:12:{:02d},000 INFO peer.training.peer: {}\n"
+    (tmp_path / "p0.log").write_text(
+        line.format(1, "round 20 step 1099 loss 1.1 {} (own round 20)")
+        + line.format(2, "rotating from path 1 to path 2 (path steps 0: 831)")
+        + line.format(9, "round 24 step 1300 loss 1.0 {} (own round 24)")
+        + line.format(9, "rotating from path 2 to path 3 (path steps 0: 900)")
+    )
+    (tmp_path / "p1.log").write_text(line.format(1, "round 20 step 1303 loss 1.3 {} (own round 20)"))
+    # its restarted process moved onto path 2 at round 20 too; p2 moved there a round later
+    (tmp_path / "p1.1.log").write_text(
+        line.format(3, "round 20 step 1303 loss 1.3 {} (own round 20)")
+        + line.format(3, "rotating from path 0 to path 2 (path steps 0: 832)")
+    )
+    (tmp_path / "p2.log").write_text(
+        line.format(4, "round 21 step 1261 loss 1.0 {} (own round 21)")
+        + line.format(4, "rotating from path 0 to path 2 (path steps 0: 840)")
+    )
+    assert count_double_moves(tmp_path) == 1
