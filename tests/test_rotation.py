@@ -14,7 +14,7 @@ from peer.model.grid import ModelConfig
 from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
 from peer.run.admission import AdmissionCheck, sign_admission
 from peer.swarm.claims import steering_claims
-from peer.swarm.rotation import claimed_path_steps, plan_rotation, round_view, swarm_path_steps
+from peer.swarm.rotation import claimed_path_steps, live_claims, plan_rotation, round_view, swarm_path_steps
 from peer.sync.standing import Standing
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
@@ -217,3 +217,28 @@ def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announ
         round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped, steps_per_round=50)[0]
         == lagging
     )
+
+
+def test_free_keys_claiming_paths_hold_no_path_unless_they_took_part_in_our_latest_trunk_round():
+    creator = RSAPrivateKey()
+    standing = Standing(AdmissionCheck("e5" * 32, creator.get_public_key().to_bytes()), "open")
+    token = {p: sign_admission(creator, "e5" * 32, p, "invite") for p in ("a", "b")}
+    claims = {p: claim(p, i, {i: 40}, admission=token[p]) for i, p in enumerate(("a", "b"))}
+    # c is on probation and trains path 2 (it sends its parts); free keys claim path 3 and more
+    # claims than there are paths, and never send a part
+    claims["c"] = claim("c", 2, {2: 40})
+    claims |= {f"free{i}": claim(f"free{i}", 3, {}) for i in range(4)}
+    counted = set(steering_claims(claims, standing))
+    assert counted == {"a", "b"}
+    assert plan_rotation(GRID, claims, 4, 2, counted=counted) is None  # the claims believed: no rotation
+    took_part = frozenset({"a", "b", "c"})  # the agreed senders of our latest trunk round
+    rotation = plan_rotation(GRID, claims, 4, 2, counted=counted, took_part=took_part)
+    assert rotation is not None and rotation.target == 3 and rotation.source in (0, 1)
+    # c, on probation, holds its path because it took part: path 2 is not a target
+    without_c = plan_rotation(GRID, claims, 4, 2, counted=counted, took_part=frozenset({"a", "b"}))
+    assert without_c is not None and without_c.target in (2, 3)
+    assert set(live_claims(claims, counted, took_part)) == {"a", "b", "c"}
+    # with nobody admitted every claim counts, as before (the limit of an open run without a creator)
+    unadmitted = {p: c.model_copy(update={"admission": ""}) for p, c in claims.items()}
+    everyone = set(steering_claims(unadmitted, standing))
+    assert plan_rotation(GRID, unadmitted, 4, 2, counted=everyone, took_part=took_part) is None

@@ -43,7 +43,7 @@ from peer.swarm.claims import (
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
-from peer.swarm.rotation import Rotation, claimed_path_steps, plan_rotation, round_view
+from peer.swarm.rotation import Rotation, claimed_path_steps, live_claims, plan_rotation, round_view
 from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,7 @@ class Membership:
         self._holders: tuple[dict, dict[str, list[str]]] = ({}, {})  # (the view, its ready holders)
         self.snapshot = None
         self._lock = threading.Lock()  # our records are published one at a time, in order
-        # reads apart from publishes: the loop's read at a rotation waited for the heartbeat's stores
-        self._view_lock = threading.Lock()
+        self._view_lock = threading.Lock()  # reads apart from publishes: a loop's read waited for stores
         self._claim_view = ClaimView.of_run(manifest, record)
         self._probes: dict[str, ProbeRecord] = {}
         self._probe_record: ProbeRecord | None = None
@@ -298,23 +297,25 @@ class Membership:
         target = should_move(mcfg, self.claims, self.peer_id, current)
         return current if target is None else target
 
-    def rotation(self, round_index: int) -> Rotation | None:
+    def rotation(self, round_index: int, took_part: frozenset[str] | None = None) -> Rotation | None:
         """The swarm's rotation at the end of `round_index`, from a claim view of that round
-        (`round_view`) with our own claim as it is now. In the training loop, where a DHT read can wait
-        out RPC timeouts (a partition), it reads only when the last heartbeat's view says a rotation is
+        (`round_view`) with our own claim as it is now; `took_part`: the agreed senders of our latest
+        trunk round (`rotation.live_claims`). In the training loop, where a DHT read can wait out RPC
+        timeouts (a partition), it reads only when the last heartbeat's view says a rotation is
         possible at all (a rotation round, and a path nobody holds)."""
         every, cfg = self.config.rotate_every_rounds, self.manifest.model
+        me, standing = self.peer_id, self.standing
         if not every or round_index % every or cfg.n_paths < 2:
             return None
-        covered = {c.path for c in self.claims.values() if not c.client_mode} | {path_index(cfg, self.path)}
-        if len(covered) >= cfg.n_paths:
+        took_part = None if took_part is None else took_part | {me}
+        live = live_claims(self.claims, set(steering_claims(self.claims, standing, me)), took_part)
+        if len({c.path for c in live.values()} | {path_index(cfg, self.path)}) >= cfg.n_paths:
             return None
-        own, standing, wait = self.claim_record(), self.standing, self.config.heartbeat_seconds
-        h = self.manifest.sync.inner_steps
-        claims, steering = round_view(lambda: dict(self.read_claims()) | {self.peer_id: own},
-                                      lambda c: steering_claims(c, standing, self.peer_id), round_index, wait,
+        own, wait, h = self.claim_record(), self.config.heartbeat_seconds, self.manifest.sync.inner_steps
+        claims, steering = round_view(lambda: dict(self.read_claims()) | {me: own},
+                                      lambda c: steering_claims(c, standing, me), round_index, wait,
                                       self._stop, h)  # fmt: skip
-        return plan_rotation(cfg, claims, round_index, every, h, steps_per_round=h, counted=set(steering))
+        return plan_rotation(cfg, claims, round_index, every, h, h, set(steering), took_part)
 
     def move_to(self, path: Path) -> None:
         """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`."""

@@ -14,8 +14,9 @@ peer's own, not a claim). Inside that bound an admitted liar can still attract r
 repel it from one, or hold a move back by saying it trained the target path all along: an imbalance
 of training time, never a say in what is averaged or whose state is trusted. Only confirmations (the
 target's holders counting rounds they averaged with it) would bound it further. Who is on which path
-is judged on every claim (a peer on probation trains like any other), so keys that claim every
-uncovered path can still hold rotation back while they keep claiming.
+is judged on the claims with standing and on those of peers that took part in our latest trunk
+round (a peer on probation trains, and sends its parts, like any other): a key that only claims a
+path holds none (`live_claims`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
 from dht.schema import MAX_PATH_STEPS_ENTRIES, ClaimRecord
@@ -104,6 +105,22 @@ def swarm_path_steps(
     return steps
 
 
+def live_claims(
+    claims: Mapping[str, ClaimRecord], counted: set[str] | None = None, took_part: Set[str] | None = None
+) -> dict[str, ClaimRecord]:
+    """The claims that say who trains which path: not in client mode, not leaving, and, given the
+    agreed senders of our latest trunk round (`took_part`), only those with standing (`counted`) or
+    whose peer is among the senders. A claim costs a key nothing, a part in every round of the trunk
+    costs a trunk fragment's bytes: keys that claimed every uncovered path, or more paths' worth of
+    claims than there are paths, held rotation back for as long as they kept claiming."""
+    return {
+        pid: c
+        for pid, c in claims.items()
+        if not c.client_mode and not c.leaving
+        if took_part is None or counted is None or pid in counted or pid in took_part
+    }
+
+
 def plan_rotation(
     cfg: ModelConfig,
     claims: Mapping[str, ClaimRecord],
@@ -112,6 +129,7 @@ def plan_rotation(
     tolerance: int = 0,
     steps_per_round: int | None = None,
     counted: set[str] | None = None,
+    took_part: Set[str] | None = None,
 ) -> Rotation | None:
     """The rotation the swarm makes at the end of outer round `round_index`, or None.
 
@@ -121,12 +139,13 @@ def plan_rotation(
     within `tolerance` (views a heartbeat apart then agree on them); the mover is the candidate with
     the highest stable_seed(peer id, round). A peer only moves to a path trained less than its own.
     `steps_per_round` (H): a claim counts at most H × (round_index + 1) steps (None: no bound);
-    `counted`: the peers whose step counts count (None: all). Who is live and on which path is judged
-    on every claim: a peer on probation trains its path like any other.
+    `counted`: the peers whose step counts count (None: all). Who is live and on which path: every
+    claim with standing, and those of peers on probation that took part in our latest trunk round
+    (`took_part`, see `live_claims`; None: every claim).
     """
     if every_rounds <= 0 or round_index <= 0 or round_index % every_rounds:
         return None
-    live = {pid: c for pid, c in claims.items() if not c.client_mode and not c.leaving}
+    live = live_claims(claims, counted, took_part)
     if not live or len(live) >= cfg.n_paths:
         return None
     coverage = Counter(c.path for c in live.values())

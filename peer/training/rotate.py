@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from peer.model.grid import path_from_index, path_module_ids
+from peer.model.grid import TRUNK, path_from_index, path_module_ids
 from peer.swarm.claims import holders_by_module
 from peer.swarm.membership import Membership
 from peer.swarm.rotation import Rotation
@@ -56,7 +56,7 @@ class RotationPolicy:
         try:
             rotation = self.replanner.decide(outer_round) if self.replanner.enabled else None
             if rotation is None:
-                rotation = self.membership.rotation(outer_round)
+                rotation = self.membership.rotation(outer_round, (last_members or {}).get(TRUNK))
         except Exception as e:  # reading the claims or planning must never stop the training
             logger.warning(f"could not decide on a rotation: {type(e).__name__}: {e}")
             return None
