@@ -103,8 +103,7 @@ class Membership:
         self.claims: dict[str, ClaimRecord] = {}
         self._holders: tuple[dict, dict[str, list[str]]] = ({}, {})  # (the view, its ready holders)
         self.snapshot = None
-        self._lock = threading.Lock()  # our records are published one at a time, in order
-        self._view_lock = threading.Lock()  # reads apart from publishes: a loop's read waited for stores
+        self._lock = threading.Lock()  # one DHT call at a time: training thread vs heartbeat
         self._claim_view = ClaimView.of_run(manifest, record)
         self._probes: dict[str, ProbeRecord] = {}
         self._probe_record: ProbeRecord | None = None
@@ -127,7 +126,7 @@ class Membership:
     # --- views ----------------------------------------------------------------------------------
 
     def read_claims(self) -> dict[str, ClaimRecord]:
-        with self._view_lock:
+        with self._lock:
             self.claims = self._claim_view.update(self.dht)
         return self.claims
 
@@ -154,13 +153,13 @@ class Membership:
 
     def kept(self) -> dict[str, list[tuple[str, int]]]:
         """(keeper peer id, total fragment rounds) of every module a keeper holds."""
-        with self._view_lock:
+        with self._lock:
             kept = kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)
         kept.pop("", None)
         return kept
 
     def keepers(self) -> list[str]:
-        with self._view_lock:
+        with self._lock:
             return [p for p, _ in kept_modules(self.dht, self.run_name, self.run_id, self._keeper_tokens)[""]]
 
     def _token_of(self, peer: str) -> str:
