@@ -151,10 +151,7 @@ class Inbox:
         if self._strikes[sender] >= BAN_AFTER_BAD_PARTS:
             self._strikes.pop(sender)
             self.ban(sender)
-            logger.warning(
-                f"banned {sender} for {BAN_SECONDS:.0f} s: {BAN_AFTER_BAD_PARTS} malformed, non-finite "
-                "or oversized parts"
-            )
+            logger.warning(f"banned {sender} for {BAN_SECONDS:.0f} s: {BAN_AFTER_BAD_PARTS} bad parts")
 
     def banned(self, sender: str) -> bool:
         until = self._banned_until.get(sender)
@@ -206,8 +203,7 @@ class Inbox:
         return {p for p in peers if now - self._unreachable.get(p, -math.inf) <= within_seconds}
 
     def heard(self, peers: Iterable[str], within_seconds: float) -> list[str]:
-        """`peers` less the `unproven` ones (of any module)."""
-        return sorted(set(peers) - set(self.unproven(peers, within_seconds)))
+        return sorted(set(peers) - set(self.unproven(peers, within_seconds)))  # less the `unproven` ones
 
     def slot(self, key: Key) -> _Slot:
         if key not in self._slots:
@@ -263,6 +259,13 @@ class Inbox:
         for key, slot in self._slots.items():
             if key[0] in modules:
                 slot.changed.set()
+
+    def hold(self, fragment_sizes: dict[str, list[int]]) -> None:
+        """The modules we hold from now on (a move). A BYE heard when we held a module before is about
+        then: kept, it made a mover leave a holder of the module out as gone (both alone: split copies)."""
+        for modules in list(self._byes.values()):
+            modules.difference_update(set(fragment_sizes) - set(self.fragment_sizes))
+        self.fragment_sizes = fragment_sizes
 
     def note_sat_out(self, sender: str, key: Key) -> None:
         """`sender` sends no part or report for round `key` (checked: a holder, within our window)."""

@@ -157,7 +157,7 @@ class PathSync:
             if read_claims is not None:
                 install_hello_handler(service, ClaimRefresh(read_claims))
         else:
-            service.inbox.fragment_sizes = sizes
+            service.inbox.hold(sizes)
             self._refused_seen = Counter(service.refused)
         self.service = service
         install_state_handlers(self.service, self._snapshot, self.history, limits)
