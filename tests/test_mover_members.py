@@ -94,3 +94,37 @@ def test_a_mover_says_bye_to_the_holders_it_leaves_without_waiting_for_their_ans
     finally:
         for ps in syncs:
             ps.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_two_peers_moving_onto_a_module_at_once_both_load_its_holders_state_instead_of_resetting_it(
+    dht_factory,
+):
+    # the other mover's claim lists the module at round 0: asked to confirm the holder's state it could
+    # only say "unknown", so every download was refused and both movers reset the module (goodput
+    # rotation arm, 96 rounds: a 45 s stall)
+    sync = SyncConfig(inner_steps=8, codec="fp32")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
+    syncs: list[PathSync] = []
+    try:
+        for seed in (1, 2, 3):
+            dht, key = dht_factory()
+            peer_id = str(dht.peer_id)
+            ps = PathSync(
+                manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, PeerMetrics("t", peer_id, "0", "t")
+            )
+            ps.start(dht, lambda peer, module: True, key=key)
+            syncs.append(ps)
+        holder, mover, other_mover = syncs
+        trunk = holder.syncs[TRUNK]
+        trunk.load_state(dict(module=TRUNK, fragment_rounds=[5] * trunk.n_fragments), trunk.state_tensors())
+        assert sum(mover.syncs[TRUNK].fragment_rounds) == 0
+        started = time.monotonic()
+        donors = {TRUNK: [(holder.peer_id, 5 * trunk.n_fragments), (other_mover.peer_id, 0)]}
+        assert mover.catch_up(donors) == 1
+        assert mover.syncs[TRUNK].module_digest() == trunk.module_digest()
+        assert mover.syncs[TRUNK].fragment_rounds == trunk.fragment_rounds
+        assert time.monotonic() - started < 5.0  # no confirmations waited for from the other mover
+    finally:
+        for ps in syncs:
+            ps.shutdown()

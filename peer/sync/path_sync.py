@@ -304,9 +304,9 @@ class PathSync:
                 if top <= ours:
                     continue
                 best = max(best, top)
-                ordered = sorted(
-                    sources, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0]))
-                )
+                # not those without a round of it: one that moved onto it with us confirmed nothing (a reset)
+                ahead = [c for c in sources if c[1] > 0]
+                ordered = sorted(ahead, key=lambda c, mid=mid: (-c[1], stable_seed(self.peer_id, mid, c[0])))
                 if self.fetch_state(ms, [p for p, _ in ordered]):
                     ms.settling = SETTLING_ROUNDS
                     logger.info(f"{mid}: caught up to module round {ms.outer_round} from its {kind}")
