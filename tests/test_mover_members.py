@@ -18,22 +18,28 @@ from peer.sync.path_sync import PathSync
 pytestmark = pytest.mark.swarm
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
+SYNC = SyncConfig(inner_steps=8, codec="fp32")
+
+
+def start_syncs(dht_factory, seeds: tuple[int, ...], syncs: list[PathSync]) -> list[PathSync]:
+    """One started PathSync per seed on its own DHT, each added to `syncs` as it starts (the caller
+    shuts down whatever started, also if a later one fails)."""
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=SYNC, outer=OuterOptimizerConfig())
+    for seed in seeds:
+        dht, key = dht_factory()
+        peer_id = str(dht.peer_id)
+        metrics = PeerMetrics("t", peer_id, "0", "t")
+        ps = PathSync(manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, metrics)
+        ps.start(dht, lambda peer, module: True, key=key)
+        syncs.append(ps)
+    return syncs
 
 
 @pytest.mark.timeout(120)
 def test_the_holder_a_mover_loaded_a_module_from_is_a_member_of_its_next_round_of_it(dht_factory):
-    sync = SyncConfig(inner_steps=8, codec="fp32")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
     syncs: list[PathSync] = []
     try:
-        for seed in (1, 2):
-            dht, key = dht_factory()
-            peer_id = str(dht.peer_id)
-            metrics = PeerMetrics("t", peer_id, "0", "t")
-            ps = PathSync(manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, metrics)
-            ps.start(dht, lambda peer, module: True, key=key)
-            syncs.append(ps)
-        mover, holder = syncs
+        mover, holder = start_syncs(dht_factory, (1, 2), syncs)
         holders = {TRUNK: [holder.peer_id]}
         # on probation and never heard from for this module, and one of our rounds failed to reach it
         # lately (a round while it was moving, say): our rounds leave it out for now
@@ -58,27 +64,17 @@ def test_a_mover_says_bye_to_the_holders_it_leaves_without_waiting_for_their_ans
 ):
     # a holder's answer waits behind its own round work: a rotation that waited on each answer paused
     # training for most of its length (the goodput benchmark's rotation laps); a leaving peer still waits
-    sync = SyncConfig(inner_steps=8, codec="fp32")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
     syncs: list[PathSync] = []
     try:
-        for seed in (1, 2):
-            dht, key = dht_factory()
-            peer_id = str(dht.peer_id)
-            ps = PathSync(
-                manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, PeerMetrics("t", peer_id, "0", "t")
-            )
-            ps.start(dht, lambda peer, module: True, key=key)
-            syncs.append(ps)
-        mover, holder = syncs
+        mover, holder = start_syncs(dht_factory, (1, 2), syncs)
         assert mover.fetch_state(mover.syncs[TRUNK], [holder.peer_id])  # heard from: a bye goes to it
         deadline = time.monotonic() + 10  # noted on the sync service's event loop
         while (
-            not mover.service.inbox.heard([holder.peer_id], heard_within(sync))
+            not mover.service.inbox.heard([holder.peer_id], heard_within(SYNC))
             and time.monotonic() < deadline
         ):
             time.sleep(0.05)
-        assert mover.service.inbox.heard([holder.peer_id], heard_within(sync)) == [holder.peer_id]
+        assert mover.service.inbox.heard([holder.peer_id], heard_within(SYNC)) == [holder.peer_id]
         monkeypatch.setenv("PATHSWARM_FAULTS", "sync.on_bye=stall:3")
         started = time.monotonic()
         mover.say_bye([TRUNK], {TRUNK: [holder.peer_id]}, wait=False)
@@ -103,19 +99,9 @@ def test_two_peers_moving_onto_a_module_at_once_both_load_its_holders_state_inst
     # the other mover's claim lists the module at round 0: asked to confirm the holder's state it could
     # only say "unknown", so every download was refused and both movers reset the module (goodput
     # rotation arm, 96 rounds: a 45 s stall)
-    sync = SyncConfig(inner_steps=8, codec="fp32")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig())
     syncs: list[PathSync] = []
     try:
-        for seed in (1, 2, 3):
-            dht, key = dht_factory()
-            peer_id = str(dht.peer_id)
-            ps = PathSync(
-                manifest, PathModel(CFG, (0, 0), seed=seed), peer_id, PeerMetrics("t", peer_id, "0", "t")
-            )
-            ps.start(dht, lambda peer, module: True, key=key)
-            syncs.append(ps)
-        holder, mover, other_mover = syncs
+        holder, mover, other_mover = start_syncs(dht_factory, (1, 2, 3), syncs)
         trunk = holder.syncs[TRUNK]
         trunk.load_state(dict(module=TRUNK, fragment_rounds=[5] * trunk.n_fragments), trunk.state_tensors())
         assert sum(mover.syncs[TRUNK].fragment_rounds) == 0

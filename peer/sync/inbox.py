@@ -261,10 +261,10 @@ class Inbox:
                 slot.changed.set()
 
     def hold(self, fragment_sizes: dict[str, list[int]]) -> None:
-        """The modules we hold from now on (a move). A BYE heard when we held a module before is about
-        then: kept, it made a mover leave a holder of the module out as gone (both alone: split copies)."""
-        for modules in list(self._byes.values()):
-            modules.difference_update(set(fragment_sizes) - set(self.fragment_sizes))
+        """The modules we hold from now on (a move); BYEs for those taken up again are forgotten."""
+        taken_up = set(fragment_sizes) - set(self.fragment_sizes)
+        for modules in list(self._byes.values()):  # from our last visit: see docs/sync-protocol.md
+            modules.difference_update(taken_up)
         self.fragment_sizes = fragment_sizes
 
     def note_sat_out(self, sender: str, key: Key) -> None:
