@@ -20,6 +20,8 @@ _PATH_INDEX = re.compile(r"^\d{1,7}$")
 
 #: a claim's `path_steps` names at most this many paths (a peer keeps its most trained ones there)
 MAX_PATH_STEPS_ENTRIES = 64
+#: ... and its `round_steps` at most this many (the paths of its latest round)
+MAX_ROUND_STEPS_ENTRIES = 4
 #: the longest admission token a record carries (a 2048-bit key's is about 620 characters)
 MAX_ADMISSION_TOKEN_CHARS = 2048
 #: modules one keeper's stash record names: a keeper that would keep more refuses them (peer/swarm/keeper.py)
@@ -104,6 +106,10 @@ class ClaimRecord(Record):
     #: (added after version 2: absent in older peers' claims). A claim, not a fact: it only steers
     #: which path a peer rotates to (peer/swarm/rotation.py), never what is averaged or trusted.
     path_steps: dict[str, int] = Field(default_factory=dict, max_length=MAX_PATH_STEPS_ENTRIES)
+    #: of those, the steps of round `outer_round` itself, per path (a peer moves only between rounds:
+    #: one path, two after a restart): readers work out the counts as of the round before, which every
+    #: claim of that round or the next gives alike (peer.swarm.rotation.round_view)
+    round_steps: dict[str, int] = Field(default_factory=dict, max_length=MAX_ROUND_STEPS_ENTRIES)
     #: the run creator's signed admission of this peer (peer/run/admission.py), "" while it has none;
     #: readers verify it against the manifest's creator key before it counts for anything
     admission: str = Field("", max_length=MAX_ADMISSION_TOKEN_CHARS)
@@ -116,7 +122,7 @@ class ClaimRecord(Record):
                 raise ValueError(f"bad module id {m!r}")
         return v
 
-    @field_validator("path_steps")
+    @field_validator("path_steps", "round_steps")
     @classmethod
     def _path_steps(cls, v: dict[str, int]) -> dict[str, int]:
         for path, steps in v.items():

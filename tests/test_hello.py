@@ -5,15 +5,24 @@ costs the holder one claim read per interval."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 import torch
 
+from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
+from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
+from peer.model.grid import ModelConfig
+from peer.model.transformer import PathModel
 from peer.sync import wire
-from peer.sync.hello import ClaimRefresh, install_hello_handler, say_hello
+from peer.sync.aggregate import AggregatorConfig
+from peer.sync.hello import ClaimRefresh, Greeting, install_hello_handler
 from peer.sync.inbox import Inbox
+from peer.sync.module_sync import ModuleSync
+from peer.sync.outer import StreamingOuter
+from peer.sync.rounds import RoundRunner, RoundSettings
 from peer.sync.service import SyncService
 from peer.sync.standing import Standing
 from peer.sync.wire import Kind
@@ -76,7 +85,8 @@ def test_a_holder_told_hello_reads_the_movers_new_claim_at_once_and_takes_its_ou
         assert not ack.ok and ack.reason.startswith("not_holder"), ack  # its view predates the move
         claim(mover_dht, mover.peer_id)
         started = time.monotonic()
-        assert say_hello(mover, [MODULE], [holder.service.peer_id], 10) == [holder.service.peer_id]
+        greeting = Greeting(mover, [MODULE], [holder.service.peer_id], started + 10, threading.Event())
+        assert greeting.wait() == [holder.service.peer_id]
         assert time.monotonic() - started < 5.0  # one DHT read, not a heartbeat
         assert holder.refresh.reads == 1
         assert offer_delta(mover, holder.service.peer_id).ok
@@ -90,7 +100,10 @@ def test_a_hello_without_a_claim_in_the_dht_is_not_believed(dht_factory):
     holder = Holder(dht_factory()[0])
     stranger = mover_service(dht_factory()[0])
     try:
-        assert say_hello(stranger, [MODULE], [holder.service.peer_id], 10) == []
+        stopped = threading.Event()
+        stopped.set()  # its settle time is not waited out here
+        greeting = Greeting(stranger, [MODULE], [holder.service.peer_id], time.monotonic() + 10, stopped)
+        assert greeting.wait() == []
         assert stranger.peer_id not in holder.view
         assert not offer_delta(stranger, holder.service.peer_id).ok
     finally:
@@ -126,4 +139,40 @@ def test_a_flood_of_hellos_costs_one_claim_read_per_interval(dht_factory):
         assert holder.refresh.reads <= 4
     finally:
         flooder.shutdown()
+        holder.service.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_mover_trains_on_while_its_hello_is_answered_and_its_first_sync_waits_for_the_answer(dht_factory):
+    """Waiting for the answers before training cost a move 0.1-0.4 s (goodput rotation arm, session
+    46); a sync started before a holder sees the mover's claim leaves the mover out of its round."""
+    holder = Holder(dht_factory()[0])
+    read = holder.refresh._read
+    holder.refresh._read = lambda: (time.sleep(1.5), read())  # a holder's claim read that takes 1.5 s
+    mover_dht = dht_factory()[0]
+    mover = mover_service(mover_dht)
+    h = 4
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, max_seq_len=9)
+    manifest = RunManifest(
+        name="t", model=cfg, seq_len=8, sync=SyncConfig(inner_steps=h, averaging_timeout_seconds=5)
+    )
+    ms = ModuleSync(cfg, MODULE, PathModel(cfg, (0, 0), seed=0).parts[MODULE], OuterOptimizerConfig(), 1)
+    runner = RoundRunner(mover, make_codec("fp32"), RoundSettings(5.0, 5.0, AggregatorConfig(method="mean")))
+    loop = StreamingOuter(
+        {MODULE: ms}, manifest, mover.peer_id, PeerMetrics("t", mover.peer_id, "0", "t"), runner
+    )
+    loop.joining = False
+    holders = {MODULE: [mover.peer_id, holder.service.peer_id]}
+    try:
+        claim(mover_dht, mover.peer_id)
+        started = time.monotonic()
+        greeting = Greeting(mover, [MODULE], [holder.service.peer_id], started + 20, threading.Event())
+        for _ in range(h - 1):  # the steps before the first sync: trained on, not waited
+            loop.tick(0, holders, greeting)
+        assert time.monotonic() - started < 1.0 and not loop.pending
+        loop.tick(0, holders, greeting)  # the due step: the round starts once the holder saw the claim
+        assert 1.4 < time.monotonic() - started < 10.0 and len(loop.pending) == 1
+        assert greeting.wait() == [holder.service.peer_id] and holder.view == {mover.peer_id}
+    finally:
+        mover.shutdown()
         holder.service.shutdown()

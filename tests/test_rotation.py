@@ -173,15 +173,17 @@ def test_step_counts_without_admission_do_not_steer_rotation_once_anyone_is_admi
     assert steering_claims({p: claim(p, 0, {}) for p in ("x", "y")}, standing).keys() == {"x", "y"}
 
 
-def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announced_the_round():
+def test_views_in_which_a_peers_announcement_of_the_round_had_or_had_not_arrived_plan_on_the_same_counts():
     """Peers plan alike only from the same counts: a peer whose round ended first read the others'
-    claims of the round before and moved where they did not (goodput rotation arm, session 29). A
-    claim one round behind is taken as it will be (H more steps on its path) without a wait; one
-    further behind is read again until it announces the round."""
+    claims of the round before and moved where they did not (goodput rotation arm, session 29), and
+    carrying such a claim one round on by H steps was wrong for a round trained through (longer than
+    H: two peers moved onto one path, session 45). Counts are taken as of the round before, which a
+    claim of either round gives exactly; a claim further behind is read again until it catches up."""
 
-    def claim(peer: str, outer_round: int, steps: int, ready: bool = True, path: int = 0) -> ClaimRecord:
+    def claim(peer, outer_round, steps, ready=True, path=0, round_steps=None) -> ClaimRecord:
         return ClaimRecord(peer_id=peer, path=path, modules=["trunk"], outer_round=outer_round,
-                           path_steps={str(path): steps}, ready=ready)  # fmt: skip
+                           path_steps={str(path): steps}, ready=ready,
+                           round_steps={} if round_steps is None else {str(path): round_steps})  # fmt: skip
 
     def reader(*views):
         reads, views = [], iter(views)
@@ -192,31 +194,38 @@ def test_the_rotation_is_planned_on_the_view_in_which_every_steering_peer_announ
 
         return read, reads
 
-    # b's round ended a moment after ours: its claim of round 3 is carried to round 4, as it will say
-    read, reads = reader({"a": claim("a", 4, 200), "b": claim("b", 3, 150, path=1)})
-    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event(), steps_per_round=50)
-    assert len(reads) == 1 and claims["b"].outer_round == 4 and claims["b"].path_steps == {"1": 200}
-    assert counted == claims and swarm_path_steps(GRID, claims) == {0: 200, 1: 200, 2: 0, 3: 0}
-    # two rounds behind: read again until it announces the round (a mover is not waited for)
-    read, reads = reader(
-        {"a": claim("a", 4, 200), "b": claim("b", 2, 100), "c": claim("c", 1, 0, ready=False)},
-        {"a": claim("a", 4, 200), "b": claim("b", 4, 200), "c": claim("c", 1, 0, ready=False)},
+    def view(**kw):
+        return round_view(kw.pop("read", None), dict, 4, wait_seconds=30.0, stop=threading.Event(), **kw)
+
+    # b's round 4 trained 65 steps (through a late round): one view still has its claim of round 3
+    a = claim("a", 4, 200, round_steps=50)
+    early, late = (
+        {"a": a, "b": claim("b", 3, 150, path=1)},
+        {"a": a, "b": claim("b", 4, 215, path=1, round_steps=65)},
     )
-    claims, counted = round_view(read, dict, 4, wait_seconds=30.0, stop=threading.Event(), steps_per_round=50)
-    assert len(reads) == 2 and claims["b"].path_steps == {"0": 200} and claims["c"].outer_round == 1
+    read, reads = reader(early, late)
+    first, counted = view(read=read)
+    second, _ = view(read=read)
+    assert len(reads) == 2 and counted == first
+    assert swarm_path_steps(GRID, first) == swarm_path_steps(GRID, second) == {0: 150, 1: 150, 2: 0, 3: 0}
+    # the view in hand is planned on without a read when nothing in it lags
+    read, reads = reader()
+    assert swarm_path_steps(GRID, view(read=read, in_hand=late)[0])[1] == 150 and reads == []
+    # two rounds behind: read again until it announces the round before (a mover is not waited for)
+    read, reads = reader(
+        {"a": a, "b": claim("b", 3, 150, path=1), "c": claim("c", 1, 0, ready=False)},
+    )
+    lagging = {"a": a, "b": claim("b", 2, 100, path=1), "c": claim("c", 1, 0, ready=False)}
+    claims, _ = view(read=read, in_hand=lagging)
+    assert len(reads) == 1 and claims["b"].path_steps == {"1": 150} and claims["c"].outer_round == 1
     # a claim that never announces the round holds the plan back `wait_seconds`, no longer
     lagging = {"a": claim("a", 4, 200), "b": claim("b", 2, 100)}
-    claims, _ = round_view(
-        lambda: lagging, dict, 4, wait_seconds=0.2, stop=threading.Event(), steps_per_round=50
-    )
+    claims, _ = round_view(lambda: lagging, dict, 4, wait_seconds=0.2, stop=threading.Event())
     assert claims == lagging
     # nor past a stop request (SIGTERM)
     stopped = threading.Event()
     stopped.set()
-    assert (
-        round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped, steps_per_round=50)[0]
-        == lagging
-    )
+    assert round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped)[0] == lagging
 
 
 def test_free_keys_claiming_paths_hold_no_path_unless_they_took_part_in_our_latest_trunk_round():

@@ -222,10 +222,11 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
                 found = live_claims(watcher, RUN, run_id, 4).get(peer_id)
                 return found if found is not None and found.step == 14 else None
 
-            # mid-round, a claim says its steps per path as of its last round's end: the rotation,
-            # which carries a claim one round behind to its round, counts no step twice
+            # mid-round, a claim says its steps per path as of its last round's end, and those of that
+            # round: the rotation works out every claim's steps as of the round before, exactly
             stalled = wait_for(stalled_claim, 10, "the claim of the stalled step", swarm)
             assert stalled.outer_round == 1 and sum(stalled.path_steps.values()) == 10, stalled
+            assert stalled.round_steps == stalled.path_steps, stalled
             swarm.kill("p", signal.SIGTERM)
             started = time.monotonic()
             assert swarm.wait("p", timeout=60) == 0

@@ -20,7 +20,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import MANIFEST_REPUBLISH_SECONDS
-from dht.schema import ClaimRecord, ManifestRecord, ProbeRecord
+from dht.schema import MAX_ROUND_STEPS_ENTRIES, ClaimRecord, ManifestRecord, ProbeRecord
 from monitoring.metrics import PeerMetrics
 from peer import __version__
 from peer.config import PeerConfig, RunManifest
@@ -67,9 +67,10 @@ class Progress:
     bad_parts: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
-    #: path index -> inner steps trained on it, as of the end of round `outer_round`: a claim read
-    #: mid-round counts no steps of the next (peer.swarm.rotation.round_view carries it one round on)
+    #: path index -> inner steps trained on it as of the end of round `outer_round` (none of the next),
+    #: and of those, the steps of that round itself (`ClaimRecord.round_steps`)
     path_steps: dict[int, int] = field(default_factory=dict)
+    round_steps: dict[int, int] = field(default_factory=dict)
 
 
 class Membership:
@@ -203,6 +204,7 @@ class Membership:
             ready=self.ready, leaving=leaving, software_version=__version__, reachability=self.reachability,
             loss=p.loss, sync_outcomes=p.sync_outcomes, bad_parts=p.bad_parts, bytes_sent=p.bytes_sent,
             bytes_received=p.bytes_received, path_steps=claimed_path_steps(p.path_steps),
+            round_steps={str(i): n for i, n in sorted(p.round_steps.items())[:MAX_ROUND_STEPS_ENTRIES]},
             admission=self.standing.own_token,
         )  # fmt: skip
 
@@ -297,11 +299,10 @@ class Membership:
         return current if target is None else target
 
     def rotation(self, round_index: int, took_part: frozenset[str] | None = None) -> Rotation | None:
-        """The swarm's rotation at the end of `round_index`, from a claim view of that round
-        (`round_view`) with our own claim as it is now; `took_part`: the agreed senders of our latest
-        trunk round (`rotation.live_claims`). In the training loop, where a DHT read can wait out RPC
-        timeouts (a partition), it reads only when the last heartbeat's view says a rotation is
-        possible at all (a rotation round, and a path nobody holds)."""
+        """The swarm's rotation at the end of `round_index`, planned on the claims as of the round
+        before (`round_view`: the last heartbeat's view, read again only when a claim lags) with ours as
+        it is now; `took_part`: the agreed senders of our latest trunk round (`live_claims`). Nothing is
+        read unless that view says a rotation is possible at all (a rotation round, a path nobody holds)."""
         every, cfg = self.config.rotate_every_rounds, self.manifest.model
         me, standing = self.peer_id, self.standing
         if not every or round_index % every or cfg.n_paths < 2:
@@ -313,7 +314,7 @@ class Membership:
         own, wait, h = self.claim_record(), self.config.heartbeat_seconds, self.manifest.sync.inner_steps
         claims, steering = round_view(lambda: dict(self.read_claims()) | {me: own},
                                       lambda c: steering_claims(c, standing, me), round_index, wait,
-                                      self._stop, h)  # fmt: skip
+                                      self._stop, in_hand=dict(self.claims) | {me: own})  # fmt: skip
         return plan_rotation(cfg, claims, round_index, every, h, h, set(steering), took_part)
 
     def move_to(self, path: Path) -> None:

@@ -43,22 +43,25 @@ def round_view(
     round_index: int,
     wait_seconds: float,
     stop: threading.Event,
-    steps_per_round: int,
+    in_hand: Claims | None = None,
 ) -> tuple[Claims, Claims]:
-    """The claim view to plan the rotation of `round_index` on (all claims, the steering ones). Every
-    peer must plan from the same counts; a peer whose round ended first and read at once planned on
-    the others' counts of the round before and moved where they did not (two peers onto one path, a
-    module left by both: the goodput rotation arm, session 29). A ready claim one round behind (its
-    peer's round ended a moment after ours, or its announcement is still on its way) is taken as it
-    will be: `steps_per_round` more on its path, what that round trains. Claims further behind are
-    read again until they announce the round, for at most `wait_seconds`: a claim that never catches
-    up (a laggard, a liar with standing) holds the plan back that long, no more. Waiting for the
-    claims of the round itself cost up to half of a 0.8 s round at every rotation."""
+    """The claim view to plan the rotation of `round_index` on (all claims, the steering ones), every
+    claim's `path_steps` as of the end of round `round_index` - 1. Every peer must plan from the same
+    counts; a peer whose round ended first and read at once planned on the others' counts of the round
+    before and moved where they did not (two peers onto one path, a module left by both: the goodput
+    rotation arm, sessions 29 and 45). A claim of round `round_index` - 1 gives those counts as it is,
+    one of `round_index` gives them less its `round_steps` (what that round trained): both exact, so
+    views in which a peer's announcement of the round had or had not arrived count alike (carrying a
+    claim one round on by H steps was not: a round trained through is longer). Ready claims further
+    behind are read again until they reach it, for at most `wait_seconds`: a claim that never catches
+    up (a laggard, a liar with standing) holds the plan back that long, no more. `in_hand`: the view
+    the heartbeat read last, planned on without a DHT read when no claim in it is behind (the read on
+    the training thread was 1.8% of its time)."""
     until = time.monotonic() + wait_seconds
     while True:
-        claims = _as_of(read(), round_index, steps_per_round)
-        counted = steering(claims)
-        behind = {p: c.outer_round for p, c in counted.items() if c.ready and c.outer_round < round_index}
+        claims = _as_of(in_hand if in_hand is not None else read(), round_index)
+        counted, in_hand = steering(claims), None
+        behind = {p: c.outer_round for p, c in counted.items() if c.ready and c.outer_round < round_index - 1}
         if not behind or stop.is_set():
             return claims, counted
         if time.monotonic() > until:
@@ -68,14 +71,14 @@ def round_view(
         stop.wait(0.05)
 
 
-def _as_of(claims: Claims, round_index: int, steps_per_round: int) -> Claims:
-    """`claims` with each ready one exactly a round behind `round_index` carried to it."""
+def _as_of(claims: Claims, round_index: int) -> Claims:
+    """`claims` with the path steps of each one of round `round_index` or later less those of its own
+    round: as of the round before (exact for a claim of `round_index`)."""
     out = dict(claims)
     for pid, c in claims.items():
-        if c.ready and not c.leaving and c.outer_round == round_index - 1:
-            steps = dict(c.path_steps)
-            steps[str(c.path)] = steps.get(str(c.path), 0) + steps_per_round
-            out[pid] = c.model_copy(update={"outer_round": round_index, "path_steps": steps})
+        if c.outer_round >= round_index and c.round_steps:
+            steps = {k: n - c.round_steps.get(k, 0) for k, n in c.path_steps.items()}
+            out[pid] = c.model_copy(update={"path_steps": {k: n for k, n in steps.items() if n > 0}})
     return out
 
 

@@ -32,6 +32,7 @@ from peer.config import RunManifest, SyncConfig
 from peer.faults import fault_point
 from peer.sync.dial_budget import DialBudget
 from peer.sync.fragments import fragments_due, next_due, sync_offsets
+from peer.sync.hello import Greeting
 from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
 from peer.sync.overlap import OverlapTuner
@@ -194,17 +195,22 @@ class StreamingOuter:
         self.clock = sync_clock(sum(rounds), self.inner_steps, self.sync.fragments)
         self.joining = sum(rounds) > 0
 
-    def tick(self, tokens_total: int, holders: dict[str, list[str]]) -> list[tuple[ModuleSync, int, str]]:
-        """Advances the schedule by one inner step and starts the syncs due now; returns each started
-        (module, fragment, digest of the copy its round reports)."""
+    def tick(
+        self, tokens_total: int, holders: dict[str, list[str]], greeting: Greeting | None = None
+    ) -> list[tuple[ModuleSync, int, str]]:
+        """Advances the schedule by one inner step and starts the syncs due now, once `greeting` (a
+        mover's HELLOs) is answered; returns each started (module, fragment, digest of the copy its
+        round reports)."""
         self.overlap.step_ended()
         if any(p.held_since is not None for p in self.pending):
             return []  # a round past its due step is still running: the schedule waits, training not
         self.clock += 1
         if self.joining:
             self._join_the_group(holders)
-        started = []
-        for fragment in fragments_due(self.clock, self.inner_steps, self.sync.fragments):
+        started, due = [], fragments_due(self.clock, self.inner_steps, self.sync.fragments)
+        if due and greeting is not None:
+            greeting.wait()
+        for fragment in due:
             self.joining = False
             started += self._start(fragment, tokens_total, holders)
         return started

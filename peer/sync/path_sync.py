@@ -14,6 +14,7 @@ and deals with what each round's result asks for.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from peer.model.transformer import PathModel
 from peer.seeding import stable_seed
 from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
-from peer.sync.hello import ClaimRefresh, install_hello_handler, say_hello
+from peer.sync.hello import ClaimRefresh, Greeting, install_hello_handler
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
@@ -106,6 +107,7 @@ class PathSync:
         self._strays = StrayWatch()
         #: module -> the members of our latest round of it (a rotation waits for a module's joiners)
         self.last_members: dict[str, frozenset[str]] = {}
+        self._greeting: Greeting | None = None  # a mover's HELLOs, answered before its first sync here
 
     @property
     def outer_round(self) -> int:
@@ -194,7 +196,8 @@ class PathSync:
     def after_step(self, step: int, tokens_total: int, holders: dict[str, list[str]]) -> list[FragmentDone]:
         """One inner step done: starts the fragment syncs due now, and finishes those whose τ ran out."""
         self.copies.forget_old()
-        self.outer.tick(tokens_total, holders)  # keeps the copy each round reports, for merges
+        # keeps the copy each round reports, for merges; a mover's first sync waits for its HELLOs
+        self.outer.tick(tokens_total, holders, self._greeting)
         return [self._finish(p, step) for p in self.outer.due()]
 
     def drain(self, step: int) -> list[FragmentDone]:
@@ -344,16 +347,13 @@ class PathSync:
         else:
             self.service.submit(self.service.ask_each(peers, frames, timeout))
 
-    def say_hello(self, holders: dict[str, list[str]], timeout: float) -> bool:
-        """Tells the other holders of our modules (we just moved here) to read our claim; whether all
-        of them saw it within `timeout` (then our first sync here need not wait for their heartbeats)."""
-        if self.service is None:
-            return True
-        peers = {p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id}
-        peers = self.service.inbox.heard(peers, heard_within(self.manifest.sync))
-        if not peers:
-            return True
-        return set(say_hello(self.service, sorted(self.syncs), peers, timeout)) == set(peers)
+    def say_hello(self, holders: dict[str, list[str]], settle_until: float, stop: threading.Event) -> None:
+        """Tells the other holders of our modules (we just moved here) to read our claim; our first sync
+        here waits for all to see it, else until `settle_until` (their views renew) or `stop`."""
+        if self.service is not None:
+            peers = {p for m in self.syncs for p in holders.get(m, []) if p != self.peer_id}
+            if peers := self.service.inbox.heard(peers, heard_within(self.manifest.sync)):
+                self._greeting = Greeting(self.service, sorted(self.syncs), sorted(peers), settle_until, stop)
 
     def hand_over(self, modules: list[str], keepers: list[str]) -> list[str]:
         """Asks keepers to take our state of `modules` (we are their last holder, leaving) and waits;

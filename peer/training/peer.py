@@ -100,8 +100,8 @@ class Peer:
         self.throughput = Throughput()
         self.history = RoundHistory()
         self.contribution = ContributionLedger(lambda: (self.step, self.tokens_total, self.path_steps))
-        #: path index -> inner steps trained on it (several paths once it rotated); as of the last round's end
-        self.path_steps, self.round_path_steps = {}, {}
+        #: path index -> steps trained on it (several once it rotated): now, at the last round end, in it
+        self.path_steps, self.round_path_steps, self.round_steps = {}, {}, {}
         #: the move decided at a round's end, made in the loop once that step's syncs are handled
         self._rotation: Rotation | None = None
         self._closed = False
@@ -238,10 +238,9 @@ class Peer:
             totals = self.sync.totals
             progress.digests = self.sync.fingerprints()
             progress.module_rounds = self.sync.fragment_rounds()
-            progress.sync_outcomes = dict(totals.outcomes)
-            progress.bad_parts = dict(totals.bad_parts)
+            progress.sync_outcomes, progress.bad_parts = dict(totals.outcomes), dict(totals.bad_parts)
             progress.bytes_sent, progress.bytes_received = totals.bytes_sent, totals.bytes_received
-        progress.path_steps = dict(self.round_path_steps)
+        progress.path_steps, progress.round_steps = dict(self.round_path_steps), dict(self.round_steps)
         return progress
 
     # --- training -------------------------------------------------------------------------------
@@ -302,7 +301,8 @@ class Peer:
         # so its sync count is the swarm's clock (a peer that synced alone is set back when it repairs).
         self.outer_round = self.sync.outer_round
         entry = self.history.end_round(self.outer_round, self.step, self.tokens_total, done)
-        self.round_path_steps = dict(self.path_steps)
+        before, self.round_path_steps = self.round_path_steps, dict(self.path_steps)
+        self.round_steps = {p: d for p, n in self.path_steps.items() if (d := n - before.get(p, 0)) > 0}
         # the log and the metrics show the swarm's round (the DHT claims carry it too) and our own count
         own = self.history.own_rounds
         self.metrics.set_rounds(self.outer_round, own)
@@ -372,12 +372,11 @@ class Peer:
         self.sync.reset_tokens(self.tokens_total)
         self._join_path(old_sync.service)
         # The other holders count us in their rounds once their claim views show our new claim. We
-        # tell them to read it now (HELLO); only if one does not confirm do we give its view the two
-        # heartbeats in which it renews itself before our first sync here.
+        # tell them to read it now (HELLO) and train on; our first sync here waits for their answers,
+        # and only if one does not confirm, for the two heartbeats in which its view renews itself.
         self.membership.start_path()
-        settle = 2 * self.config.heartbeat_seconds
-        if not self.sync.say_hello(self.membership.holders(), settle):
-            self.stop_requested.wait(max(0.0, moved_at + settle - time.monotonic()))
+        settle_until = moved_at + 2 * self.config.heartbeat_seconds
+        self.sync.say_hello(self.membership.holders(), settle_until, self.stop_requested)
         logger.info(f"training path {rotation.target} {self.path}: modules {self.model.module_ids}")
 
     def checkpoint(self, wait: bool = False) -> None:
