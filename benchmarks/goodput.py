@@ -371,7 +371,8 @@ def write_outputs(out: Path, report: dict) -> str:
         r = report["rotation"]
         rates = [r["tokens_per_second"], r["monitor_tokens_per_second"]]
         axis["rotation"].bar(["measured", "monitor"], rates)
-        axis["rotation"].set(title=f"rotation: tokens/s (train fraction {r['train_fraction']:.2f})")
+        fraction = f"train_fraction {r['train_fraction']:.3f}, target 0.9"
+        axis["rotation"].set(title=f"rotation: tokens/s\n({fraction})")
     if "churn" in report:
         c = report["churn"]
         labels = ["clean (start)", "churn", "clean (end)"]
