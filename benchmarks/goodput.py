@@ -364,15 +364,24 @@ def write_outputs(out: Path, report: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ("rotation", "churn") if a in report]
+    arms = [a for a in ("rotation", "loop", "churn") if a in report or (a == "loop" and "rotation" in report)]
     fig, axes = plt.subplots(1, len(arms), figsize=(4 * len(arms), 3.2), squeeze=False)
     axis = dict(zip(arms, axes[0], strict=True))
     if "rotation" in report:
         r = report["rotation"]
         rates = [r["tokens_per_second"], r["monitor_tokens_per_second"]]
         axis["rotation"].bar(["measured", "monitor"], rates)
-        fraction = f"train_fraction {r['train_fraction']:.3f}, target 0.9"
-        axis["rotation"].set(title=f"rotation: tokens/s\n({fraction})")
+        axis["rotation"].set(title="rotation: tokens/s")
+        # the loop's time by part, the inner steps first: their bar ends at train_fraction
+        parts = sorted(r.get("loop_parts", {}).items(), key=lambda kv: kv[0] != "step")
+        left = 0.0
+        for i, (part, share) in enumerate(parts):
+            axis["loop"].barh([0], [share], 0.5, left=left, color=f"C{i}", label=f"{part} {100 * share:.1f}%")
+            left += share
+        axis["loop"].axvline(0.9, color="k", linestyle="--", label="target 0.9")
+        axis["loop"].set(title=f"rotation: the loop's time\n(train_fraction {r['train_fraction']:.3f})",
+                         xlim=(0, 1), ylim=(-1.6, 0.4), yticks=[])  # fmt: skip
+        axis["loop"].legend(fontsize=7, loc="lower center", ncol=3)
     if "churn" in report:
         c = report["churn"]
         labels = ["clean (start)", "churn", "clean (end)"]

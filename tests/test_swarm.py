@@ -245,6 +245,10 @@ def test_sigterm_finishes_step_checkpoints_and_leaves(tmp_path, manifest_file):
     assert steps == [10, 15], steps
     tensors, meta = load_latest_checkpoint(ckpt)
     assert meta["step"] == 15 and meta["outer_round"] == 1
+    # beside the steps it stopped at, what its claims said (as of round 1's end, and in round 1): a
+    # resumed peer's claims count as its last one did, in every view that still holds that one
+    assert sum(meta["path_steps"].values()) == 15, meta["path_steps"]
+    assert meta["round_path_steps"] == meta["round_steps"] == stalled.round_steps, meta
 
 
 def fragment_payload_bytes(manifest_path: Path, codec: str) -> list[int]:

@@ -19,8 +19,10 @@ here calls back up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +52,16 @@ def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
     happen in the order of their offsets, fragment p at t_p, t_p + H, ... (fragment 0 at H, 2H, ...)."""
     cycle, p = divmod(n_syncs, n_fragments)
     return cycle * inner_steps + sync_offsets(inner_steps, n_fragments)[p]
+
+
+#: a round's outcome when this peer was told to leave before it ended: not applied
+STOPPED = "stopped"
+#: how long a peer told to leave still waits for the results of its rounds in flight
+LEAVING_WAIT_SECONDS = 3.0
+
+
+class LeftRound(Exception):
+    """Raised while collecting a round's result once this peer is leaving."""
 
 
 @dataclass
@@ -356,9 +368,21 @@ class StreamingOuter:
         limit = self.sync.averaging_timeout_seconds + 2 * self.sync.report_timeout_seconds + 30
         # the hold counts as waiting: τ grows so that the round fits in it next time (`OverlapTuner`)
         waiting_since = pending.held_since if pending.held_since is not None else time.monotonic()
+        leaving = self.runner.service.leaving if self.runner is not None else threading.Event()
+        until, cut = time.monotonic() + limit, False
         for mid, future in pending.futures.items():
             try:
-                pending.results[mid] = future.result(timeout=limit)
+                # a peer told to leave waits a few seconds more at most (a round waiting for a gone
+                # member held a SIGTERM for its whole averaging timeout); then it is not applied
+                while time.monotonic() < until and not future.done():
+                    if leaving.is_set() and not cut:
+                        until, cut = min(until, time.monotonic() + LEAVING_WAIT_SECONDS), True
+                    concurrent.futures.wait([future], timeout=0.25)
+                if not future.done():
+                    raise LeftRound() if leaving.is_set() else TimeoutError(f"no result in {limit:.0f} s")
+                pending.results[mid] = future.result()
+            except LeftRound:
+                pending.results[mid] = RoundResult(STOPPED, pending.deltas[mid], 1, detail="we are leaving")
             except Exception as e:
                 detail = f"{type(e).__name__}: {e}"
                 pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
@@ -379,6 +403,8 @@ class StreamingOuter:
         """The round's outer step on the module's fragment (and the error feedback's account of what
         our part contributed to it)."""
         ms, fragment = self.syncs[mid], pending.fragment
+        if r.outcome == STOPPED:  # we leave with the state before it (`SentRounds` knows we sent it)
+            return
         if self.codec.spec.error_feedback:
             ms.settle_feedback(fragment, pending.deltas[mid], _sent_part(pending, mid, r))
         ms.apply(fragment, r.delta, self.sync.mixing_alpha, _prepared(pending, mid, r))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -58,6 +59,8 @@ class SyncService:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._closing = False  # set on shutdown: streams still arriving are closed unread
+        #: set when the peer is told to leave (SIGTERM): nothing waits on a round's result any more
+        self.leaving = threading.Event()
         self._background = BackgroundLoop("sync")
         self.loop = self._background.loop
         self.p2p = self.call(self._start(dht), timeout=30)

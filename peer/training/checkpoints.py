@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,8 +47,11 @@ class Counters:
     step: int
     outer_round: int
     tokens_total: int
-    #: path index -> inner steps this peer trained on it
+    #: path index -> inner steps this peer trained on it: now, as of its last round's end, in that round
+    #: (what its claims say: a resumed peer's claims count as the last before its stop did)
     path_steps: dict[int, int]
+    round_path_steps: dict[int, int] = field(default_factory=dict)
+    round_steps: dict[int, int] = field(default_factory=dict)
 
 
 class PeerCheckpoints:
@@ -154,6 +157,8 @@ class PeerCheckpoints:
             run=self.config.run_name,
             path=list(path),
             path_steps={str(p): n for p, n in sorted(counters.path_steps.items())},
+            round_path_steps={str(p): n for p, n in sorted(counters.round_path_steps.items())},
+            round_steps={str(p): n for p, n in sorted(counters.round_steps.items())},
             outer_round=counters.outer_round,
             fragment_rounds=sync.fragment_rounds(),
             tokens_total=counters.tokens_total,
@@ -189,6 +194,9 @@ class PeerCheckpoints:
         # a checkpoint from before rotation trained only the path it names
         steps = meta.get("path_steps") or {path_index: step}
         path_steps = {int(p): int(n) for p, n in steps.items() if int(n) > 0}
+        # as of the last round's end (a checkpoint from before session 46: the steps it was taken at)
+        round_end = {int(p): int(n) for p, n in (meta.get("round_path_steps") or path_steps).items()}
+        in_round = {int(p): int(n) for p, n in (meta.get("round_steps") or {}).items()}
         own = meta.get("own_rounds")
         history.restore(
             meta.get("history", []), float(meta.get("train_seconds", 0.0)), None if own is None else int(own)
@@ -201,4 +209,4 @@ class PeerCheckpoints:
             f"resumed from checkpoint at step {step}, outer round {outer_round} "
             f"(own rounds {history.own_rounds}), fragment rounds {sync.fragment_rounds()}"
         )
-        return Counters(step, outer_round, tokens_total, path_steps)
+        return Counters(step, outer_round, tokens_total, path_steps, round_end, in_round)

@@ -179,6 +179,8 @@ class Peer:
         self.stop_requested.set()
         if self.membership is not None:
             self.membership.request_stop()
+        if self.sync is not None and self.sync.service is not None:
+            self.sync.service.leaving.set()  # a round waiting for a gone member does not hold us
 
     def _artifact_folders(self) -> list[Path]:
         return [self.artifacts.store.root] if self.artifacts is not None else []
@@ -204,8 +206,7 @@ class Peer:
 
     def _join_path(self, service: SyncService | None = None) -> None:
         """Opens our path's sync layer (on the old path's `service` after a rotation), downloads the
-        modules whose holders (or keepers) are ahead of us and reads the path's data shard: at
-        start-up and after a rotation."""
+        modules whose holders (or keepers) are ahead of us and reads the path's data shard."""
         ms, sent = self.membership, self.checkpoints.sent_rounds(self.manifest.run_id)
         self.sync.start(
             self.dht, ms.is_holder, service, self.key, ms.standing, sent, self.serve_limits, ms.read_claims
@@ -350,8 +351,7 @@ class Peer:
     def _rotate(self, rotation: Rotation) -> None:
         """Moves this live peer to `rotation.target` (`RotationPolicy` decided it): checkpoint, hand
         over the modules we were the last to hold, rebuild the path model, optimizer, sync layer and
-        data, keeping the modules the two paths share, and download the others from their holders or
-        keepers."""
+        data, keeping the modules the two paths share, and download the others (holders, keepers)."""
         cfg = self.manifest.model
         steps = ", ".join(f"{p}: {n}" for p, n in sorted(rotation.steps.items()))
         logger.info(f"rotating from path {rotation.source} to path {rotation.target} (path steps {steps})")
@@ -381,7 +381,8 @@ class Peer:
 
     def checkpoint(self, wait: bool = False) -> None:
         """Checkpoints this peer as it is now, written in the background (`wait`: before returning)."""
-        counters = Counters(self.step, self.outer_round, self.tokens_total, self.path_steps)
+        steps = (self.path_steps, self.round_path_steps, self.round_steps)  # resumed, its claims go on alike
+        counters = Counters(self.step, self.outer_round, self.tokens_total, *steps)
         data = self.data.positions(self.router.version_number)  # a resumed peer's data goes on from here
         meta = {**self.router.meta(), "contribution": self.contribution.meta(), "data": data}
         self.checkpoints.save(
@@ -404,8 +405,8 @@ class Peer:
     def _restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         index = path_index(self.manifest.model, self.path)
         c = self.checkpoints.restore(tensors, meta, index, self.sync, self.model, self.history)
-        self.step, self.outer_round, self.tokens_total = c.step, c.outer_round, c.tokens_total
-        self.path_steps, self.round_path_steps = c.path_steps, dict(c.path_steps)
+        for name in ("step", "outer_round", "tokens_total", "path_steps", "round_path_steps", "round_steps"):
+            setattr(self, name, getattr(c, name))
         self.contribution.restore(meta, self.peer_id)
         if "data" in meta:
             self.data.resume_from(meta["data"])
