@@ -100,10 +100,17 @@ def test_a_hello_without_a_claim_in_the_dht_is_not_believed(dht_factory):
     holder = Holder(dht_factory()[0])
     stranger = mover_service(dht_factory()[0])
     try:
-        stopped = threading.Event()
-        stopped.set()  # its settle time is not waited out here
-        greeting = Greeting(stranger, [MODULE], [holder.service.peer_id], time.monotonic() + 10, stopped)
+        started = time.monotonic()
+        greeting = Greeting(stranger, [MODULE], [holder.service.peer_id], started + 3, threading.Event())
         assert greeting.wait() == []
+        assert time.monotonic() - started >= 2.9  # unconfirmed: the holders' views are given their time
+        read = holder.refresh._read
+        holder.refresh._read = lambda: (time.sleep(3.0), read())  # an answer 3 s away
+        stopped = threading.Event()
+        stopped.set()  # a stop request (SIGTERM) waits for neither the answers nor the views
+        started = time.monotonic()
+        Greeting(stranger, [MODULE], [holder.service.peer_id], started + 10, stopped).wait()
+        assert time.monotonic() - started < 1.0
         assert stranger.peer_id not in holder.view
         assert not offer_delta(stranger, holder.service.peer_id).ok
     finally:

@@ -14,6 +14,7 @@ however many arrive (`ClaimRefresh`), and HELLOs that arrive during a read share
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -113,9 +114,12 @@ class Greeting:
         request; returns those that saw it (at once after the first time)."""
         if self._seen is not None:
             return self._seen
+        until = max(self.settle_until, time.monotonic()) + 2.0  # the answers' own timeout, and a margin
+        while not self._answers.done() and not self._stop.is_set() and time.monotonic() < until:
+            concurrent.futures.wait([self._answers], timeout=0.25)  # a stop request cuts it short
         try:
-            acks = self._answers.result(max(0.0, self.settle_until - time.monotonic()) + 2.0)
-        except Exception as e:  # the loop is gone or the answers are late: we give the views time
+            acks = self._answers.result(timeout=0)
+        except Exception as e:  # the loop is gone, the answers are late or we leave: views get time
             logger.debug(f"no answers to our HELLOs: {type(e).__name__}: {e}")
             acks = {}
         for peer, ack in acks.items():
