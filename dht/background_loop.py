@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -54,3 +55,12 @@ class BackgroundLoop:
             self._thread.join(timeout)
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()
+
+
+def wait_until(future: concurrent.futures.Future, until: float, stop: threading.Event) -> bool:
+    """Waits for `future` (of `submit`) until `until` (monotonic) or until `stop` is set, looking
+    every quarter second: a signal handler of the waiting thread sets `stop`, and a plain
+    `result(timeout)` would sleep through it. Returns whether the future is done."""
+    while not future.done() and not stop.is_set() and (left := until - time.monotonic()) > 0:
+        concurrent.futures.wait([future], timeout=min(0.25, left))
+    return future.done()

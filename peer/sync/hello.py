@@ -14,12 +14,12 @@ however many arrive (`ClaimRefresh`), and HELLOs that arrive during a read share
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable
 
+from dht.background_loop import wait_until
 from peer.sync import wire
 from peer.sync.inbox import Refused
 from peer.sync.service import SyncService
@@ -114,9 +114,8 @@ class Greeting:
         request; returns those that saw it (at once after the first time)."""
         if self._seen is not None:
             return self._seen
-        until = max(self.settle_until, time.monotonic()) + 2.0  # the answers' own timeout, and a margin
-        while not self._answers.done() and not self._stop.is_set() and time.monotonic() < until:
-            concurrent.futures.wait([self._answers], timeout=0.25)  # a stop request cuts it short
+        # the answers' own timeout and a margin, cut short by a stop request
+        wait_until(self._answers, max(self.settle_until, time.monotonic()) + 2.0, self._stop)
         try:
             acks = self._answers.result(timeout=0)
         except Exception as e:  # the loop is gone, the answers are late or we leave: views get time

@@ -19,7 +19,6 @@ here calls back up.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import random
 import threading
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from dht.background_loop import wait_until
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
@@ -58,10 +58,6 @@ def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
 STOPPED = "stopped"
 #: how long a peer told to leave still waits for the results of its rounds in flight
 LEAVING_WAIT_SECONDS = 3.0
-
-
-class LeftRound(Exception):
-    """Raised while collecting a round's result once this peer is leaving."""
 
 
 @dataclass
@@ -369,20 +365,20 @@ class StreamingOuter:
         # the hold counts as waiting: τ grows so that the round fits in it next time (`OverlapTuner`)
         waiting_since = pending.held_since if pending.held_since is not None else time.monotonic()
         leaving = self.runner.service.leaving if self.runner is not None else threading.Event()
-        until, cut = time.monotonic() + limit, False
+        until = time.monotonic() + limit
         for mid, future in pending.futures.items():
-            try:
-                # a peer told to leave waits a few seconds more at most (a round waiting for a gone
-                # member held a SIGTERM for its whole averaging timeout); then it is not applied
-                while time.monotonic() < until and not future.done():
-                    if leaving.is_set() and not cut:
-                        until, cut = min(until, time.monotonic() + LEAVING_WAIT_SECONDS), True
-                    concurrent.futures.wait([future], timeout=0.25)
-                if not future.done():
-                    raise LeftRound() if leaving.is_set() else TimeoutError(f"no result in {limit:.0f} s")
-                pending.results[mid] = future.result()
-            except LeftRound:
+            if not wait_until(future, until, leaving) and leaving.is_set():
+                # told to leave: a few seconds more at most (a round waiting for a gone member held a
+                # SIGTERM for its whole averaging timeout); unfinished then, it is not applied
+                until = min(until, time.monotonic() + LEAVING_WAIT_SECONDS)
+                wait_until(future, until, threading.Event())
+            if not future.done() and leaving.is_set():
                 pending.results[mid] = RoundResult(STOPPED, pending.deltas[mid], 1, detail="we are leaving")
+                continue
+            try:
+                if not future.done():
+                    raise TimeoutError(f"no result in {limit:.0f} s")
+                pending.results[mid] = future.result()
             except Exception as e:
                 detail = f"{type(e).__name__}: {e}"
                 pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
