@@ -1,6 +1,8 @@
 """Goodput: how much of the time volunteers give trains, measured: `python -m benchmarks.goodput --out DIR`.
 
-Real peer processes on loopback, a 2x2 grid (four paths) on the built-in corpus.
+Real peer processes on loopback, a 2x2 grid (four paths) on the built-in corpus, both arms with
+overlapped rounds (`--overlap_steps`, τ = 10 by default: a round's result is applied τ steps after its
+due step, Streaming DiLoCo's overlap); `--overlap_steps 0` measures blocking rounds.
 
 `rotation`: 3 peers with rotation on (fewer peers than paths), `--rounds` outer rounds each, and a
 `pathswarm monitor` polled beside them. `train_fraction` is the summed seconds spent inside inner steps
@@ -106,7 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the churn run's learning-rate schedule, in outer rounds",
     )
     p.add_argument("--inner_steps", type=int, default=50, help="H")
-    p.add_argument("--overlap_steps", type=int, default=0, help="τ of the run (peers may raise their own)")
+    p.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=10,
+        help="τ of both arms' runs (peers may raise their own); 0: blocking rounds, each waited for at its "
+        "due step (the manifest's default)",
+    )
     p.add_argument("--d_model", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--builtin_docs", type=int, default=1500)

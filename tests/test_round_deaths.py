@@ -69,6 +69,35 @@ def test_a_member_killed_after_its_part_came_is_not_waited_for_until_the_report_
     assert seconds < 15.0, seconds  # the report timeout is 30 s
 
 
+def test_a_member_still_starting_is_left_out_at_once_and_waited_for_once_it_trains(dht_factory):
+    """A restarted peer's host answers seconds before its first step (its state, its data): the
+    others' rounds waited for its part up to the straggler bound, 4-5 s after each restart of a churn
+    run at τ = 10. Until it trains it answers their probe that it is starting and is left out at once;
+    once it trains it is waited for as any member (here until its part comes)."""
+    from peer.sync.probe import STARTING_WHY
+
+    deltas = deltas_for(2, seed=18)
+    with sync_group(dht_factory, 2, NUMEL, averaging_timeout=20.0) as members:
+        a, b = members
+        ids = [m.peer_id for m in members]
+        b.service.training.clear()
+        started = time.monotonic()
+        first = a.runner.start((MODULE, 0, 0), deltas[0], 1.0, ids, "0" * 64).result(timeout=60)
+        seconds = time.monotonic() - started
+        b.service.training.set()
+        second = a.runner.start((MODULE, 0, 1), deltas[0], 1.0, ids, "0" * 64)
+        time.sleep(3.0)  # probed three times meanwhile: it answers, so its part is waited for
+        other = b.runner.start((MODULE, 0, 1), deltas[1], 1.0, ids, "0" * 64).result(timeout=60)
+        second = second.result(timeout=60)
+    assert first.outcome == "alone" and first.dropped == {b.peer_id: STARTING_WHY}, (
+        first.outcome,
+        first.dropped,
+    )
+    assert seconds < 5.0, seconds  # the averaging timeout is 20 s, and no straggler bound is measured yet
+    assert [second.outcome, other.outcome] == ["averaged", "averaged"], (second.dropped, other.dropped)
+    assert torch.equal(second.delta, other.delta)
+
+
 async def _delivered(member, sender) -> bool:
     return sender in member.service.inbox.slot((MODULE, 0, 0)).deliveries
 
@@ -94,6 +123,84 @@ def test_a_restarted_member_sits_a_round_it_sent_before_out_once_and_then_goes_o
     assert again.outcome == "alone" and again.members == [restarted.peer_id], (again.outcome, again.detail)
     assert seconds < 1.5, seconds  # not another sit-out (3 s here, 35 s by default)
     assert restarted.peer_id not in reports and not other.service.inbox.banned(restarted.peer_id)
+
+
+def test_a_restarted_member_whose_only_partner_is_gone_goes_on_alone_without_waiting_out_the_sit_out(
+    dht_factory, tmp_path
+):
+    """Its previous life sent round 0 and was killed together with the module's other holder (a churn
+    run's double kill), which is not back yet: nobody can get past the round. It sits the round out,
+    finds by asking that the other's host refuses it, and goes on alone at once instead of waiting the
+    averaging plus report timeouts (30 s here) with its training held at the round's end: a churn run
+    at τ > 0 lost 20 s of a peer and four 5 s waits of the survivors so. Still no second report."""
+    x = torch.full((NUMEL,), 0.01)
+    with _restarted_pair(dht_factory, tmp_path, averaging_timeout=20.0, report_timeout=10.0) as members:
+        restarted, gone = members
+        ids = [m.peer_id for m in members]
+        gone.service.shutdown()
+        gone.dht.shutdown()
+        members.remove(gone)
+        started = time.monotonic()
+        result = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64).result(timeout=60)
+        seconds = time.monotonic() - started
+    assert result.outcome == "alone", (result.outcome, result.detail)
+    assert result.members == [restarted.peer_id]
+    assert torch.equal(result.delta, x)
+    assert seconds < 10.0, seconds  # probes from 0.5 s on, every second; the sit-out's wait is 30 s
+
+
+def test_a_sitter_waits_for_a_partner_that_is_starting_and_takes_its_state_once_it_is_past_the_round(
+    dht_factory, tmp_path
+):
+    """A partner that answers it is starting is not gone: it may have applied the round before it was
+    killed, and a sitter that went on alone would split from it. The sitter waits; once the partner
+    trains and sends a part of the next round, the sitter takes its state."""
+    x = torch.full((NUMEL,), 0.01)
+    with _restarted_pair(dht_factory, tmp_path, averaging_timeout=20.0, report_timeout=10.0) as members:
+        restarted, partner = members
+        ids = [m.peer_id for m in members]
+        partner.service.training.clear()
+        sitting = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64)
+        time.sleep(3.0)  # asked from 0.5 s on, every second: it answers that it is starting
+        waited = not sitting.done()
+        partner.service.training.set()
+        assert send_delta(partner, restarted, fp32_bytes(x), NUMEL, round_index=1).ok
+        result = sitting.result(timeout=60)
+    assert waited, (result.outcome, result.detail)
+    assert result.outcome == "behind" and result.ahead == [partner.peer_id], (result.outcome, result.ahead)
+
+
+def test_a_sitter_takes_the_state_of_a_member_past_the_round_not_of_another_sitting_it_out(
+    dht_factory, tmp_path
+):
+    """Two of three holders were killed after both sent round 0 and restarted; the third went on to
+    round 1. Each restarted one sits round 0 out and must take the state of the one past it: the
+    other sitter's state is at round 0 too, so taking it brought the round back, and the second time
+    it went on alone with its own Δ while the third had applied the group's: a churn run's trunk
+    split so (its two restarted holders took each other's states)."""
+    x = torch.full((NUMEL,), 0.01)
+    for i in (0, 1):
+        (tmp_path / str(i)).mkdir()
+        SentRounds(tmp_path / str(i), RUN_ID).record(MODULE, 0, 0)
+    sent = {i: SentRounds(tmp_path / str(i), RUN_ID) for i in (0, 1)}
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=20.0, report_timeout=5.0, sent=sent) as members:
+        first, second, past = members
+        ids = [m.peer_id for m in members]
+        sitting = [m.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64) for m in (first, second)]
+        wait_until = time.monotonic() + 20  # both have said SIT_OUT to each other
+        pairs = ((first, second), (second, first))
+        while not all(m.service.call(_sat_out(m, o.peer_id)) for m, o in pairs):
+            assert time.monotonic() < wait_until, "the sitters never heard each other's SIT_OUT"
+            time.sleep(0.1)
+        for m in (first, second):  # the third is past round 0: its part of round 1 reaches both
+            assert send_delta(past, m, fp32_bytes(x), NUMEL, round_index=1).ok
+        results = [f.result(timeout=60) for f in sitting]
+    assert [r.outcome for r in results] == ["behind", "behind"], [(r.outcome, r.detail) for r in results]
+    assert [r.ahead for r in results] == [[past.peer_id], [past.peer_id]], [r.ahead for r in results]
+
+
+async def _sat_out(member, sitter) -> bool:
+    return sitter in member.service.inbox.slot((MODULE, 0, 0)).sat_out
 
 
 @contextmanager

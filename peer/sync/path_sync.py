@@ -154,7 +154,7 @@ class PathSync:
             inbox = Inbox(sizes, codec, is_holder, max_senders=sync.max_round_senders,
                           max_delta_norm=sync.max_delta_norm, standing=standing)  # fmt: skip
             service = SyncService(
-                dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30, key=key
+                dht, self.manifest.run_id, inbox, sync.averaging_timeout_seconds + 30, key=key, starting=True
             )
             if read_claims is not None:
                 install_hello_handler(service, ClaimRefresh(read_claims))

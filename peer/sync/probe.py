@@ -2,7 +2,10 @@
 member after `PROBE_FIRST_SECONDS`, then every `PROBE_SECONDS`, whether it answers at all (a standing
 query: one small frame and an ACK). A peer killed mid-round sends nothing and says nothing, but its
 host refuses the connection at once: it is not waited for up to the averaging or report timeout. A
-slow answer is no verdict (a busy peer is not a gone one).
+slow answer is no verdict (a busy peer is not a gone one). A peer that answers it is starting (a
+restart before its first step: `SyncService.training`) cannot send its part in time either: it is
+left out at once too, and joins the next round (`StreamingOuter._join_the_group`). A stranger that
+says so only leaves itself out.
 
 While a round waits for reports, the question is the report itself (`request_report`): a member
 whose part came but whose report did not may have signed it already and failed to push it (we were
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 PROBE_FIRST_SECONDS = 0.5
 PROBE_SECONDS = 1.0
 PROBE_TIMEOUT_SECONDS = 5.0
+#: why a member that answered it is starting is left out (a kind of "unreachable": rounds treat it so)
+STARTING_WHY = "unreachable (starting: not training yet)"
 
 
 async def probe_silent(
@@ -37,11 +42,13 @@ async def probe_silent(
     failed: dict[str, str],
     deadline: float,
     reports: bool = False,
+    starting_fails: bool = True,
 ) -> None:
     """Until `deadline` (the loop's clock), from PROBE_FIRST_SECONDS on, every PROBE_SECONDS asks each
     member `silent()` names (those still awaited) whether it answers (`reports`: for its report of the
     round, which goes into the slot once signed); one whose host refuses us goes into `failed` as
-    unreachable, and the round's slot is woken so that its wait looks again."""
+    unreachable, and the round's slot is woken so that its wait looks again. So does one that answers
+    it is starting (`starting_fails`; else it is asked again: it will know more once it trains)."""
     loop = asyncio.get_running_loop()
     slot = service.inbox.slot(key)
     query = wire.StandingQuery(run=service.run, module=key[0], peer=service.peer_id)
@@ -50,7 +57,10 @@ async def probe_silent(
     async def ask(member: str) -> None:
         try:
             if not reports:
-                await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
+                ack = await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
+                if starting_fails and not ack.ok and ack.reason == wire.STARTING and member in silent():
+                    failed.setdefault(member, STARTING_WHY)
+                    slot.changed.set()
             elif (report := await request_report(service, key, member, PROBE_TIMEOUT_SECONDS)) is not None:
                 service.inbox.add_report(member, report)  # checked as if pushed: signed by the member
         except Exception as e:

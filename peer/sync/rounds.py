@@ -166,9 +166,9 @@ class RoundRunner:
             inbox.slot(key).decided_with = frozenset([self.me])
             return RoundResult("alone", own, 1, detail="no other holder", members=[self.me])
         if self.sitting_out.sent_already(key):  # never a second report: peer/sync/sitting_out.py
-            how = await self.sitting_out.sit(key, others)
+            how, ahead = await self.sitting_out.sit(key, others)
             if how == "behind":
-                return RoundResult("behind", own, 1, detail="sent already", ahead=others, members=[self.me])
+                return RoundResult("behind", own, 1, detail="sent already", ahead=ahead, members=[self.me])
             inbox.slot(key).decided_with = frozenset([self.me])
             if how == "void":  # every member sat it out: none applies a part, so the copies stay alike
                 return RoundResult("excluded", torch.zeros_like(own), 1, detail=VOID, members=[self.me])

@@ -45,8 +45,10 @@ class SyncService:
         stream_timeout_seconds: float = 60.0,
         handlers: dict[Kind, Callable] | None = None,
         key: RSAPrivateKey | None = None,
+        starting: bool = False,
     ):
-        """`key`: this peer's identity key (its peer id's), which signs its reports."""
+        """`key`: this peer's identity key (its peer id's), which signs its reports; `starting`: the
+        peer is not training yet (`training`)."""
         self.run = run_id[:16]
         self.inbox = inbox
         self.key = key
@@ -61,6 +63,13 @@ class SyncService:
         self._closing = False  # set on shutdown: streams still arriving are closed unread
         #: set when the peer is told to leave (SIGTERM): nothing waits on a round's result any more
         self.leaving = threading.Event()
+        #: unset while the peer starts (its state, its data) and set from its first inner step on:
+        #: until then it answers the others' probes that it is starting, and their rounds leave it out
+        #: at once (peer/sync/probe.py) instead of waiting the straggler bound (5 s or more) for a part
+        #: it cannot send yet: a restarted peer's host answers seconds before its first step
+        self.training = threading.Event()
+        if not starting:
+            self.training.set()
         self._background = BackgroundLoop("sync")
         self.loop = self._background.loop
         self.p2p = self.call(self._start(dht), timeout=30)
@@ -138,7 +147,8 @@ class SyncService:
                 query = wire.parse(wire.StandingQuery, body)
                 self._check_run(query.run)
                 count = self.inbox.accepted.get(query.module, {}).get(query.peer, 0)
-                await self._ack(writer, Ack(ok=True, reason=str(count)))
+                ok = self.training.is_set()
+                await self._ack(writer, Ack(ok=ok, reason=str(count) if ok else wire.STARTING))
                 return
             else:
                 await self.extra_handlers[kind](sender, body, reader, writer)

@@ -10,6 +10,17 @@ is still at the round (nobody got past it) it goes on the second time, sending n
 other member sat the round out too (all had sent it before being killed, a double kill of a pair)
 with no part at all, as each of them does, so that their copies stay alike; else alone with its own
 Δ, and the next round's digests reconcile the copies.
+
+While it waits, it asks the members it waits for whether they answer at all (`probe_silent`): when
+every one that is not sitting the round out too is gone (its host refuses us: killed and not back
+yet), nobody can get past the round, so it goes on alone at once, as the second time would. The
+wait was the averaging plus report timeouts, and its training waited with it at the round's end
+while the other modules' groups waited for its next parts (churn at τ > 0, where most kills fall
+between a part sent and the round applied: a restarted peer whose module partner was killed with
+it sat 20 s, and the survivors left it out as late for 5 s in four rounds in a row). A gone member
+that comes back sits the round out too and finds us past it: it takes our state. One that answers
+it is starting is not gone: it may have applied the round before it was killed (we would split
+from it), and once it trains it sends a part of the next round or sits the round out too.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import logging
 
 from peer.sync import wire
 from peer.sync.inbox import Key
+from peer.sync.probe import probe_silent
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.wire import Kind
@@ -46,30 +58,49 @@ class SittingOut:
     def sent_already(self, key: Key) -> bool:
         return self.sent.sent_already(*key)
 
-    async def sit(self, key: Key, others: list[str]) -> str:
-        """ "behind" (we waited until the others were past the round: take their state), "alone" (we
-        sat it out once already and nobody got past it: go on alone, sending nothing) or "void" (as
-        "alone", but every other member sat it out too: none applies a part, the Δ is kept as unsent)."""
+    async def sit(self, key: Key, others: list[str]) -> tuple[str, list[str]]:
+        """("behind", whom to take the state from) (we waited until the others were past the round),
+        "alone" (we sat it out once already and nobody got past it: go on alone, sending nothing) or
+        "void" (as "alone", but every other member sat it out too: none applies a part, the Δ is kept
+        as unsent), these two with nobody to take a state from."""
         self._notify(key, others)
         inbox = self.service.inbox
         sat = inbox.slot(key).sat_out
         if key in self._sat_out:
             if all(o in sat for o in others):
                 logger.info(f"{key}: every member sat it out; nobody's part is applied, as at the others")
-                return "void"
+                return "void", []
             logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
-            return "alone"
+            return "alone", []
         self._sat_out.add(key)
         later = (key[0], key[1], key[2] + 1)
+        gone: dict[str, str] = {}  # members whose host refuses us: killed, and not back yet
 
-        def past_or_all_sitting(slot) -> bool:
-            # a part of theirs for the next round came, or every other member sits this one out too
-            # (all were killed around it): nobody will get past it
-            return any(s != self.me for s in slot.deliveries) or all(o in sat for o in others)
+        def past(slot) -> bool:  # a part of theirs for the next round came
+            return any(s != self.me for s in slot.deliveries)
 
-        await inbox.wait(later, past_or_all_sitting, asyncio.get_running_loop().time() + self.wait_seconds)
+        def awaited() -> list[str]:  # neither sitting it out too (all killed around it) nor gone
+            return [o for o in others if o not in sat and o not in gone]
+
+        deadline = asyncio.get_running_loop().time() + self.wait_seconds
+        # the probe wakes the slot we wait on when it finds a member gone; one that is starting is
+        # not gone: it may be past the round (it applied it before it was killed), and would split
+        # from a copy we took alone; once it trains, it sends a part of the next round or sits out
+        probe = probe_silent(self.service, later, awaited, gone, deadline, starting_fails=False)
+        probe = asyncio.create_task(probe)
+        try:
+            await inbox.wait(later, lambda slot: past(slot) or not awaited(), deadline)
+        finally:
+            probe.cancel()
+        if gone and not past(inbox.slot(later)) and not awaited():
+            logger.info(f"{key}: we sent this round's part already and the others are gone; going on alone")
+            return "alone", []
         logger.info(f"{key}: we sent this round's part already; taking the holders' state instead")
-        return "behind"
+        # from those past the round; one sitting it out too is at the round, as we are: its state
+        # would bring us back to it, and the second time we would go on alone while the others
+        # applied their round (a churn run's trunk split when two restarted holders took each other's)
+        past_it = [o for o in others if o in inbox.slot(later).deliveries]
+        return "behind", past_it or [o for o in others if o not in sat] or others
 
     def _notify(self, key: Key, others: list[str]) -> None:
         """Tells each other member, in the background, that we send nothing more for this round."""

@@ -24,6 +24,8 @@ from dht.schema import MAX_ADMISSION_TOKEN_CHARS
 
 PROTOCOL = "pathswarm_sync_v2"  # v2: signed, relayed reports; admissions in headers
 MAX_HEADER_BYTES = 64 * 1024
+#: the refusal a peer answers a STANDING query with while it starts (`SyncService.training` unset)
+STARTING = "starting"
 #: numbers per PAYLOAD frame of a state download (4 MiB): what a receiver holds unread at most
 STATE_CHUNK_NUMBERS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
@@ -46,7 +48,7 @@ class Kind(enum.IntEnum):
     PART_REQUEST = 11  # PartRequest; answered with an ACK, then (if ok) the DELTA header and its PAYLOAD
     ADMIT = 12  # AdmitRequest to a run's authority; answered with an ACK, then (if ok) an ADMITTED frame
     ADMITTED = 13  # Admitted: the token
-    STANDING = 14  # StandingQuery; answered with an ACK whose reason is the count, as decimal digits
+    STANDING = 14  # StandingQuery; an ACK whose reason is the count, as decimal digits (or STARTING)
     BYE = 15  # Bye: "I leave these modules now (moving or stopping): do not wait for me"; an ACK
     HELLO = 16  # Hello: "I hold these modules now: read my claim"; an ACK once the claim is seen
     SIT_OUT = 17  # SitOut: "I send nothing more for this round (I sent it already)": an ACK
