@@ -20,7 +20,8 @@ from peer.model.grid import ModelConfig
 from peer.model.transformer import PathModel
 from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import StreamingOuter
-from tests.sync_members import MODULE, sync_group
+from peer.sync.sent_rounds import SentRounds
+from tests.sync_members import MODULE, RUN_ID, fp32_bytes, send_delta, sync_group
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -90,6 +91,42 @@ def test_a_joiner_starts_its_first_round_when_most_holders_sent_theirs_so_nobody
     assert torch.equal(syncs[0].global_flats[0], syncs[2].global_flats[0])
     assert torch.equal(syncs[1].global_flats[0], syncs[2].global_flats[0])
     assert not joiner.joining  # only the first round after a join is cut short
+
+
+def test_a_restarted_holder_sits_out_the_round_its_previous_life_sent_at_its_first_step(
+    dht_factory, tmp_path
+):
+    """Its previous life sent round 3 and was killed before applying it. Restarted at that round's
+    first step, it sat the round out only once its schedule reached the due step, H steps later,
+    while the holders, rounds past it, waited for its next part (a churn run's survivors left
+    restarted peers out as late after 5 s, twice after one kill). The round needs none of its steps:
+    it is sat out at the first step, and the holder past it is whose state it takes."""
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
+    base = PathModel(CFG, (0, 0), seed=3)
+    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, ROUND)
+    sent = {0: SentRounds(tmp_path, RUN_ID)}
+    with sync_group(dht_factory, 2, numel, averaging_timeout=TIMEOUT_SECONDS, sent=sent) as members:
+        restarted, holder = members
+        holders = {MODULE: [m.peer_id for m in members]}
+        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
+        metrics = PeerMetrics("t", restarted.peer_id, "0", "t")
+        loop = StreamingOuter({MODULE: ms}, manifest, restarted.peer_id, metrics, restarted.runner)
+        ms.fragment_rounds = [ROUND]
+        loop.align(ms.fragment_rounds)
+        restarted.service.call(_set_current(restarted, ROUND))
+        loop.tick(100, holders)
+        started = loop.clock == (ROUND + 1) * H and len(loop.pending) == 1
+        assert started, (
+            f"the sent round waited for its due step (clock {loop.clock}, {len(loop.pending)} started)"
+        )
+        # the holder is past the round: its part of the next one comes
+        assert send_delta(holder, restarted, fp32_bytes(torch.zeros(numel)), numel, round_index=ROUND + 1).ok
+        (pending,) = loop.drain()
+        result = loop.collect(pending)[MODULE]
+    assert result.outcome == "behind" and result.ahead == [holder.peer_id], (result.outcome, result.detail)
 
 
 async def _set_current(member, round_index: int) -> None:

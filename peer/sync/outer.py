@@ -243,7 +243,14 @@ class StreamingOuter:
         inbox = self.runner.service.inbox
         round_index = self.round_of() if self.round_of else 0
         for mid, ms in self.syncs.items():
-            sent = inbox.senders((mid, fragment, ms.fragment_rounds[fragment]))
+            key = (mid, fragment, ms.fragment_rounds[fragment])
+            if self.runner.sent.sent_already(*key):
+                # an earlier life sent it: it is sat out (peer/sync/sitting_out.py), which needs none of
+                # our steps, and the holders, rounds past it, wait for our next part meanwhile
+                logger.info(f"{mid}: an earlier life sent round {key[2]}: sitting it out at once")
+                self.clock = due
+                return
+            sent = inbox.senders(key)
             if not sent:
                 continue
             group = self.group_of(mid, round_index) if self.group_of else None
