@@ -210,8 +210,8 @@ class StreamingOuter:
         mover's HELLOs) is answered; returns each started (module, fragment, digest of the copy its
         round reports)."""
         self.overlap.step_ended()
-        if self.runner is not None:  # in the rounds from the first step on (`SyncService.training`)
-            self.runner.service.training.set()
+        if self.runner is not None and not self.runner.service.training.is_set():
+            self.runner.service.training.set()  # in the rounds from the first step on
         if any(p.held_since is not None for p in self.pending):
             return []  # a round past its due step is still running: the schedule waits, training not
         self.clock += 1

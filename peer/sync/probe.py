@@ -86,6 +86,24 @@ async def probe_silent(
             task.cancel()
 
 
+async def wait_probing(
+    service: SyncService,
+    key: tuple[str, int, int],
+    until: Callable,
+    silent: Callable[[], list[str]],
+    failed: dict[str, str],
+    deadline: float,
+    **probe,
+) -> bool:
+    """`service.inbox.wait(key, until, deadline)` while `probe_silent` asks the members `silent()`
+    names (`probe`: its `reports` and `starting_fails`), so that a gone one ends the wait early."""
+    asking = asyncio.create_task(probe_silent(service, key, silent, failed, deadline, **probe))
+    try:
+        return await service.inbox.wait(key, until, deadline)
+    finally:
+        asking.cancel()
+
+
 async def request_report(service: SyncService, key: tuple[str, int, int], member: str, timeout: float):
     """`member`'s own signed report of round `key`, or None while it has signed none; raises if the
     member cannot be reached or answers outside the protocol."""

@@ -41,7 +41,7 @@ from peer.sync import wire
 from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part, lagging, past_round
 from peer.sync.inbox import Delivery, Key, delivery_digest
-from peer.sync.probe import probe_silent
+from peer.sync.probe import wait_probing
 from peer.sync.reports import relayed, send_echo, sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
@@ -263,11 +263,7 @@ class RoundRunner:
             waited = set(slot.deliveries) | set(slot.refused) | set(failed)
             return [m for m in others if m not in waited]
 
-        probe = asyncio.create_task(probe_silent(self.service, key, silent, failed, deadline))
-        try:
-            await inbox.wait(key, gathered, deadline)
-        finally:
-            probe.cancel()
+        await wait_probing(self.service, key, gathered, silent, failed, deadline)
         # one whose part comes after our gather (it began later) counts us a member and waits for ours
         sends.append(asyncio.create_task(inbox.wait(key, lambda s: answer(s, {}, None), deadline)))
         if all(m in slot.deliveries for m in others):
@@ -312,11 +308,7 @@ class RoundRunner:
                 if r not in slot.reports.reports and r not in dead and r not in slot.sat_out
             ]
 
-        probe = asyncio.create_task(probe_silent(service, key, silent, dead, deadline, reports=True))
-        try:
-            await inbox.wait(key, lambda slot: not silent(), deadline)
-        finally:
-            probe.cancel()
+        await wait_probing(service, key, lambda slot: not silent(), silent, dead, deadline, reports=True)
         logger.debug(f"{key}: reports from {sorted(slot.reports.reports)} of {reporters}")
         # the echo: every report we hold (both of an equivocator's), to every member that reported
         held = list(slot.reports.reports.values()) + [b for _, b in slot.reports.equivocators.values()]

@@ -30,7 +30,7 @@ import logging
 
 from peer.sync import wire
 from peer.sync.inbox import Key
-from peer.sync.probe import probe_silent
+from peer.sync.probe import wait_probing
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.wire import Kind
@@ -82,16 +82,14 @@ class SittingOut:
         def awaited() -> list[str]:  # neither sitting it out too (all killed around it) nor gone
             return [o for o in others if o not in sat and o not in gone]
 
+        def settled(slot) -> bool:  # someone got past the round, or nobody is left to
+            return past(slot) or not awaited()
+
         deadline = asyncio.get_running_loop().time() + self.wait_seconds
         # the probe wakes the slot we wait on when it finds a member gone; one that is starting is
         # not gone: it may be past the round (it applied it before it was killed), and would split
         # from a copy we took alone; once it trains, it sends a part of the next round or sits out
-        probe = probe_silent(self.service, later, awaited, gone, deadline, starting_fails=False)
-        probe = asyncio.create_task(probe)
-        try:
-            await inbox.wait(later, lambda slot: past(slot) or not awaited(), deadline)
-        finally:
-            probe.cancel()
+        await wait_probing(self.service, later, settled, awaited, gone, deadline, starting_fails=False)
         if gone and not past(inbox.slot(later)) and not awaited():
             logger.info(f"{key}: we sent this round's part already and the others are gone; going on alone")
             return "alone", []
