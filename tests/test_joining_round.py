@@ -129,5 +129,39 @@ def test_a_restarted_holder_sits_out_the_round_its_previous_life_sent_at_its_fir
     assert result.outcome == "behind" and result.ahead == [holder.peer_id], (result.outcome, result.detail)
 
 
+def test_a_joiner_whose_state_is_a_round_old_starts_that_round_at_once_and_finds_itself_behind(dht_factory):
+    """The joiner took the module's state from a donor a moment before the holders applied the next
+    round: it is at round 3 while they send their parts of round 4. Trained on to round 3's due step
+    (H steps, 6 s with restarts sharing the CPU), it held up the holders, which waited for its part of
+    round 4 as a straggler each time (a churn run's survivors left restarted peers out as late after
+    5 s). It starts round 3 at its first step instead: the holders refuse it as over, and it is told
+    it is behind, whose state to take."""
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
+    base = PathModel(CFG, (0, 0), seed=3)
+    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS) as members:
+        joiner, *ahead = members
+        holders = {MODULE: [m.peer_id for m in members]}
+        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
+        loop = StreamingOuter(
+            {MODULE: ms}, manifest, joiner.peer_id, PeerMetrics("t", joiner.peer_id, "0", "t"), joiner.runner
+        )
+        ms.fragment_rounds = [ROUND]
+        loop.align(ms.fragment_rounds)
+        joiner.service.call(_set_current(joiner, ROUND))
+        for holder in ahead:  # past round 3: their parts of round 4 come
+            holder.service.call(_set_current(holder, ROUND + 1))
+            assert send_delta(holder, joiner, fp32_bytes(torch.zeros(numel)), numel, round_index=ROUND + 1).ok
+        loop.tick(100, holders)
+        started = loop.clock == (ROUND + 1) * H and len(loop.pending) == 1
+        assert started, f"round 3 waited for its due step (clock {loop.clock}, {len(loop.pending)} started)"
+        (pending,) = loop.drain()
+        result = loop.collect(pending)[MODULE]
+    assert result.outcome == "behind", (result.outcome, result.detail)
+    assert sorted(result.ahead) == sorted(h.peer_id for h in ahead), result.ahead
+
+
 async def _set_current(member, round_index: int) -> None:
     member.service.inbox.set_current(MODULE, 0, round_index)

@@ -170,6 +170,33 @@ def test_a_sitter_waits_for_a_partner_that_is_starting_and_takes_its_state_once_
     assert result.outcome == "behind" and result.ahead == [partner.peer_id], (result.outcome, result.ahead)
 
 
+def test_a_sitter_takes_the_state_of_a_partner_that_says_it_applied_the_round_without_awaiting_its_part(
+    dht_factory, tmp_path
+):
+    """The partner applied round 0 before both were killed, and restarted past it; its next part may
+    be far off (it waits on another module's round that the sitter holds up: a churn run's two
+    restarted holders stalled each other and the survivors for 10 s so). It answers the sit-out
+    notice that it is past the round, and the sitter takes its state at once instead of waiting for
+    that part or the averaging plus report timeouts (25 s here)."""
+    x = torch.full((NUMEL,), 0.01)
+    with _restarted_pair(dht_factory, tmp_path, averaging_timeout=20.0, report_timeout=5.0) as members:
+        restarted, partner = members
+        ids = [m.peer_id for m in members]
+        partner.service.call(_apply_round_0(partner))
+        started = time.monotonic()
+        result = restarted.runner.start((MODULE, 0, 0), x, 1.0, ids, "0" * 64).result(timeout=60)
+        seconds = time.monotonic() - started
+        sat = partner.service.call(_sat_out(partner, restarted.peer_id))
+    assert result.outcome == "behind" and result.ahead == [partner.peer_id], (result.outcome, result.ahead)
+    assert seconds < 5.0, seconds
+    assert not sat  # past it, the partner keeps no sit-out of a round it is done with
+
+
+async def _apply_round_0(member) -> None:
+    """What the member's path sync does once round 0 is applied: its window moves to round 1."""
+    member.service.inbox.set_current(MODULE, 0, 1)
+
+
 def test_a_sitter_takes_the_state_of_a_member_past_the_round_not_of_another_sitting_it_out(
     dht_factory, tmp_path
 ):

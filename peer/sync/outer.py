@@ -250,21 +250,19 @@ class StreamingOuter:
                 logger.info(f"{mid}: an earlier life sent round {key[2]}: sitting it out at once")
                 self.clock = due
                 return
-            sent = inbox.senders(key)
-            if not sent:
-                continue
             group = self.group_of(mid, round_index) if self.group_of else None
             members = group[1] if group is not None else holders.get(mid, [])
-            others = [p for p in members if p != self.peer_id]
-            voters = inbox.standing.among(others)
-            if voters and 2 * len(agreeing := sent & set(voters)) > len(voters):
-                logger.info(
-                    f"{mid}: {len(agreeing)} of {len(voters)} other holders already sent their "
-                    f"parts of fragment {fragment}'s round {ms.fragment_rounds[fragment]}: joining it "
-                    f"{due - self.clock} steps early"
-                )
-                self.clock = due
-                return
+            voters = set(inbox.standing.among([p for p in members if p != self.peer_id]))
+            # parts of the round after ours: they applied ours (the state we took was a round old), and
+            # the round, started now, finds them past it and fetches their state, not H steps later
+            for r, why in ((key[2], "joining it"), (key[2] + 1, "a round behind: starting ours")):
+                if voters and 2 * len(agreeing := inbox.senders((mid, fragment, r)) & voters) > len(voters):
+                    logger.info(
+                        f"{mid}: {len(agreeing)} of {len(voters)} other holders already sent their parts "
+                        f"of fragment {fragment}'s round {r}: {why} {due - self.clock} steps early"
+                    )
+                    self.clock = due
+                    return
 
     def due(self) -> list[PendingSync]:
         """The syncs whose τ ran out, taken off the schedule (the caller collects and applies them).

@@ -142,7 +142,15 @@ class SyncService:
             elif kind == Kind.SIT_OUT:
                 sit = wire.parse(wire.SitOut, body)
                 self._check_run(sit.run)
-                self.inbox.note_sat_out(sender, self.inbox.check_key(sender, *sit.key.as_tuple()))
+                k = sit.key
+                if k.module in self.inbox.fragment_sizes and k.round < self.inbox.current.get(
+                    (k.module, k.fragment), 0
+                ):
+                    # we applied it: the sitter takes our state now, not once our next part comes (which
+                    # may wait on a round the sitter holds up: two restarted holders stalled so 10 s)
+                    await self._ack(writer, Ack(ok=False, reason=wire.PAST_ROUND))
+                    return
+                self.inbox.note_sat_out(sender, self.inbox.check_key(sender, *k.as_tuple()))
             elif kind == Kind.STANDING:
                 query = wire.parse(wire.StandingQuery, body)
                 self._check_run(query.run)

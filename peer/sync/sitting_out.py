@@ -5,7 +5,10 @@ A round comes back after a restart (the previous life sent it, then was killed m
 download set the state back to it (the holders were still in it when we went on alone). The first
 time, the peer sits it out: it tells the other members (`Kind.SIT_OUT`) that it sends nothing more
 for the round, so they stop waiting for its part and report at once (it answers their probes: it is
-silent, not gone), and it waits until they are past the round, then takes their state. If that state
+silent, not gone), and it waits until they are past the round, then takes their state; a member
+that applied the round already answers the notice so (`wire.PAST_ROUND`), which ends the wait at
+once (its next part may be far off: held up by a round of another module that our training, held
+at this round's end, holds up in turn). If that state
 is still at the round (nobody got past it) it goes on the second time, sending nothing: when every
 other member sat the round out too (all had sent it before being killed, a double kill of a pair)
 with no part at all, as each of them does, so that their copies stay alike; else alone with its own
@@ -63,7 +66,9 @@ class SittingOut:
         "alone" (we sat it out once already and nobody got past it: go on alone, sending nothing) or
         "void" (as "alone", but every other member sat it out too: none applies a part, the Δ is kept
         as unsent), these two with nobody to take a state from."""
-        self._notify(key, others)
+        later = (key[0], key[1], key[2] + 1)
+        said_past: set[str] = set()  # members that answered our notice: they applied the round
+        self._notify(key, others, said_past, later)
         inbox = self.service.inbox
         sat = inbox.slot(key).sat_out
         if key in self._sat_out:
@@ -73,11 +78,10 @@ class SittingOut:
             logger.info(f"{key}: sat out once already and nobody got past it; going on alone")
             return "alone", []
         self._sat_out.add(key)
-        later = (key[0], key[1], key[2] + 1)
         gone: dict[str, str] = {}  # members whose host refuses us: killed, and not back yet
 
-        def past(slot) -> bool:  # a part of theirs for the next round came
-            return any(s != self.me for s in slot.deliveries)
+        def past(slot) -> bool:  # a part of theirs for the next round came, or one said it is past
+            return bool(said_past) or any(s != self.me for s in slot.deliveries)
 
         def awaited() -> list[str]:  # neither sitting it out too (all killed around it) nor gone
             return [o for o in others if o not in sat and o not in gone]
@@ -97,16 +101,32 @@ class SittingOut:
         # from those past the round; one sitting it out too is at the round, as we are: its state
         # would bring us back to it, and the second time we would go on alone while the others
         # applied their round (a churn run's trunk split when two restarted holders took each other's)
-        past_it = [o for o in others if o in inbox.slot(later).deliveries]
+        past_it = [o for o in others if o in inbox.slot(later).deliveries or o in said_past]
         return "behind", past_it or [o for o in others if o not in sat] or others
 
-    def _notify(self, key: Key, others: list[str]) -> None:
-        """Tells each other member, in the background, that we send nothing more for this round."""
+    def _notify(self, key: Key, others: list[str], said_past: set[str], later: Key) -> None:
+        """Tells each other member, in the background, that we send nothing more for this round; one
+        that answers it applied the round already goes into `said_past`, and the wait (on the next
+        round's slot) is woken. Its word only ends our wait early: we take its state as state transfer
+        allows, as we would once its next part came (which it could send to the same end)."""
         sit = wire.SitOut(
             run=self.service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
         )
         frames = [wire.pack_header(Kind.SIT_OUT, sit)]
+        slot = self.service.inbox.slot(later)
+
+        async def tell(member: str) -> None:
+            try:
+                ack = await self.service.request(member, frames, self.wait_seconds)
+            except Exception as e:  # gone or slow: the probes see to that
+                logger.debug(f"{key}: the sit-out notice to {member} failed: {type(e).__name__}: {e}")
+                return
+            if not ack.ok and ack.reason == wire.PAST_ROUND:
+                said_past.add(member)
+                slot.changed.set()
+
         # a member that does not take it is gone or past the round: it does not wait for us either way
-        task = asyncio.create_task(self.service.ask_each(others, frames, self.wait_seconds))
-        self._notices.add(task)
-        task.add_done_callback(self._notices.discard)
+        for member in others:
+            task = asyncio.create_task(tell(member))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)

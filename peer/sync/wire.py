@@ -26,6 +26,8 @@ PROTOCOL = "pathswarm_sync_v2"  # v2: signed, relayed reports; admissions in hea
 MAX_HEADER_BYTES = 64 * 1024
 #: the refusal a peer answers a STANDING query with while it starts (`SyncService.training` unset)
 STARTING = "starting"
+#: the refusal of a SIT_OUT notice by a member that applied that round already (its window is past it)
+PAST_ROUND = "past the round"
 #: numbers per PAYLOAD frame of a state download (4 MiB): what a receiver holds unread at most
 STATE_CHUNK_NUMBERS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
