@@ -69,6 +69,31 @@ def test_a_member_killed_after_its_part_came_is_not_waited_for_until_the_report_
     assert seconds < 15.0, seconds  # the report timeout is 30 s
 
 
+def test_a_member_restarted_after_its_part_came_is_not_waited_for_a_report_that_died_with_it(dht_factory):
+    """Its part reached the others, then it was killed before it reported and restarted at once (a
+    churn run's kill with a 2 s restart): its new life answers their question for its report, but
+    has none and never will (a report is signed once, by the life that sent the part). The others
+    waited for it until its first step sat the round out: every survivor held 5 s. While it is
+    starting it says so, and they decide without its report: its part, which both received, counts."""
+    deltas = deltas_for(3, seed=19)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0, report_timeout=30.0) as members:
+        ids = [m.peer_id for m in members]
+        a, b, restarted = members
+        for m in (a, b):
+            assert send_delta(restarted, m, fp32_bytes(deltas[2]), NUMEL).ok
+        restarted.service.training.clear()  # its new life, before its first step
+        started = time.monotonic()
+        pairs = zip((a, b), deltas[:2], strict=True)
+        futures = [m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64) for m, d in pairs]
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
+    assert all(r.members == sorted(ids) for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-6)
+    assert seconds < 15.0, seconds  # the report timeout is 30 s
+
+
 def test_a_member_still_starting_is_left_out_at_once_and_waited_for_once_it_trains(dht_factory):
     """A restarted peer's host answers seconds before its first step (its state, its data): the
     others' rounds waited for its part up to the straggler bound, 4-5 s after each restart of a churn

@@ -10,7 +10,10 @@ says so only leaves itself out.
 While a round waits for reports, the question is the report itself (`request_report`): a member
 whose part came but whose report did not may have signed it already and failed to push it (we were
 down, or restarting, when it tried). Deciding without it, we would count parts its
-report leaves out while it applies the set without them: the copies split.
+report leaves out while it applies the set without them: the copies split. A member that answers it
+is starting was restarted since it sent its part: its report died with its last life (a round is
+signed once), and it applies nothing of the round (it sits it out), so it is not waited for
+(`Restarted`); its part still counts as the voters' reports agree.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ async def probe_silent(
                     slot.changed.set()
             elif (report := await request_report(service, key, member, PROBE_TIMEOUT_SECONDS)) is not None:
                 service.inbox.add_report(member, report)  # checked as if pushed: signed by the member
+        except Restarted:
+            if member in silent():  # its report, if it signed one, died with its last life
+                failed.setdefault(member, STARTING_WHY)
+                slot.changed.set()
         except Exception as e:
             if isinstance(e, TimeoutError) or (reports and isinstance(e, (Refused, wire.WireError))):
                 logger.debug(f"{key}: {member} is slow, or sent a report we refuse: {type(e).__name__}: {e}")
@@ -104,9 +111,16 @@ async def wait_probing(
         asking.cancel()
 
 
+class Restarted(Exception):
+    """A member asked for its report answered it is starting: restarted since it sent its part (it
+    has run no round in this life), its report will never come. Waiting for it held every survivor
+    of a kill up to 5 s, until the restarted member's first step sat the round out."""
+
+
 async def request_report(service: SyncService, key: tuple[str, int, int], member: str, timeout: float):
     """`member`'s own signed report of round `key`, or None while it has signed none; raises if the
-    member cannot be reached or answers outside the protocol."""
+    member cannot be reached or answers outside the protocol, and `Restarted` if it answers it is
+    starting."""
     request = wire.ReportRequest(
         run=service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
     )
@@ -118,7 +132,9 @@ async def request_report(service: SyncService, key: tuple[str, int, int], member
                 _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return None  # it took the stream and closed it: there, but not answering this (an older peer)
-            if not wire.parse(Ack, body).ok:
+            if not (ack := wire.parse(Ack, body)).ok:
+                if ack.reason == wire.STARTING:
+                    raise Restarted(member)
                 return None
             _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
             service.bytes_received += len(body) + 5

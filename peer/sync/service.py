@@ -206,7 +206,9 @@ class SyncService:
         self._check_run(request.run)
         report = self.inbox.own_report(sender, request.key.as_tuple())
         if report is None:
-            await self._ack(writer, Ack(ok=False, reason="none"))
+            # starting (no round run in this life yet), we have none and never will: a report an
+            # earlier life signed died with it, and a new life never signs a round it sent again
+            await self._ack(writer, Ack(ok=False, reason="none" if self.training.is_set() else wire.STARTING))
             return
         frames = [wire.pack_header(Kind.ACK, Ack(ok=True)), wire.pack_header(Kind.REPORT, report)]
         self.bytes_sent += sum(len(f) for f in frames)
