@@ -46,6 +46,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from benchmarks.goodput_logs import MOVE_MARK, count_double_moves, count_splits, cpu_seconds  # noqa: E402
 from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
 from benchmarks.wan.report import load_weights  # noqa: E402
 from peer.checkpoint import load_latest_checkpoint  # noqa: E402
@@ -59,41 +60,11 @@ from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
 from peer.training.history import LOOP_PARTS  # noqa: E402
 
-#: what a member logs when the digests in a round's reports show its copy split from the group's:
-#: every member that merges logs it, so a split is counted once per (module, fragment, round)
-SPLIT_LINE = re.compile(
-    r"(\S+) fragment (\d+) round (\d+): (?:merged the diverged copies|our copy differs .*\(it drifted\))"
-)
-#: what a peer logs when it rotates to another path (peer.training.peer)
-MOVE_MARK = "rotating from path"
-#: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
-ROUND_OR_MOVE = re.compile(
-    r"INFO peer\.training\.peer: (?:round (\d+) step|rotating from path \d+ to path (\d+))"
-)
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
 
 
-def count_splits(logs: Path) -> int:
-    """Rounds whose reports showed a member's copy split from the others' (`SPLIT_LINE`), each once
-    however many of its members logged it (restarted processes' logs included)."""
-    found = set()
-    for log in logs.glob("p*.log"):
-        found |= {m.groups() for m in SPLIT_LINE.finditer(log.read_text(errors="replace"))}
-    return len(found)
-
-
-def count_double_moves(logs: Path) -> int:
-    """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
-    claims gave different plans (every peer should compute the same one, with one mover per target)."""
-    movers: dict[tuple[int, int], set[str]] = {}
-    for log in logs.glob("p*.log"):
-        peer, last_round = log.name.split(".")[0], None  # p1.1.log: p1 restarted
-        for found in ROUND_OR_MOVE.finditer(log.read_text(errors="replace")):
-            if found.group(1) is not None:
-                last_round = int(found.group(1))
-            elif last_round is not None:
-                movers.setdefault((last_round, int(found.group(2))), set()).add(peer)
-    return sum(len(peers) - 1 for peers in movers.values())
+#: the churn arms, in the order they run: the clean baseline at both ends of the kill arm
+ARMS = ("clean_start", "kill", "clean_end")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -287,6 +258,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     kills: list[dict] = []
     started = time.monotonic()
     end = started + args.churn_seconds
+    cpu_at_start = cpu_seconds()
     with LocalSwarm(folder / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(folder / "manifest.json")])
         # the window ends the run, not a number of rounds
@@ -314,6 +286,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
                 swarm.log_path(v).rename(swarm.log_path(f"{v}.{restarts[v]}"))
                 swarm.start_peer(v, [*argv[v], "--resume"])
             next_kill = time.monotonic() + args.kill_every_seconds
+        idle, all_seconds = (b - a for a, b in zip(cpu_at_start, cpu_seconds(), strict=True))
         for n in names:  # the window is over: each checkpoints what it trained and leaves
             swarm.kill(n, signal.SIGTERM)
         codes = {n: swarm.wait(n, 120) for n in names}
@@ -331,6 +304,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
         kills=kills,
         double_kills=sum(len(k["peers"]) == 2 for k in kills),
+        cpu_idle_fraction=idle / all_seconds if all_seconds else None,
     )
 
 
@@ -359,8 +333,17 @@ def table(report: dict) -> str:
             f"| churn | rounds_split | {c['kill']['rounds_split']} | 0 |",
             f"| churn | modules_reset | {c['kill']['modules_reset']} | 0 |",
             f"| churn | kills (two at once) | {len(c['kill']['kills'])} ({c['kill']['double_kills']}) | ≥2 |",
+            "| churn | tokens/s, machine CPU idle: clean start, kill, clean end | "
+            + ", ".join(
+                f"{c[a]['tokens_per_second']:.0f} ({_share(c[a].get('cpu_idle_fraction'))})" for a in ARMS
+            )
+            + " | |",
         ]
     return "\n".join(rows)
+
+
+def _share(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%} idle"
 
 
 def write_outputs(out: Path, report: dict) -> str:
@@ -414,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {report['rotation']}", flush=True)
     if "churn" in args.arms:
         arms = {}
-        for name, kill in (("clean_start", False), ("kill", True), ("clean_end", False)):
+        for name in ARMS:
+            kill = name == "kill"
             print(f"churn, {name} ...", flush=True)
             arms[name] = churn(args, args.out / "runs" / f"churn_{name}", kill)
             print(f"  { ({k: v for k, v in arms[name].items() if k != 'kills'}) }", flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from benchmarks.goodput import count_double_moves, count_splits
+from benchmarks.goodput_logs import count_double_moves, count_splits
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel

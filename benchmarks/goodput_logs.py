@@ -1,0 +1,52 @@
+"""What `benchmarks.goodput` reads off its peers' logs (split rounds, moves) and off the machine (idle
+CPU), apart from the arms that run them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+#: what a member logs when the digests in a round's reports show its copy split from the group's:
+#: every member that merges logs it, so a split is counted once per (module, fragment, round)
+SPLIT_LINE = re.compile(
+    r"(\S+) fragment (\d+) round (\d+): (?:merged the diverged copies|our copy differs .*\(it drifted\))"
+)
+#: what a peer logs when it rotates to another path (peer.training.peer)
+MOVE_MARK = "rotating from path"
+#: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
+ROUND_OR_MOVE = re.compile(
+    r"INFO peer\.training\.peer: (?:round (\d+) step|rotating from path \d+ to path (\d+))"
+)
+
+
+def count_splits(logs: Path) -> int:
+    """Rounds whose reports showed a member's copy split from the others' (`SPLIT_LINE`), each once
+    however many of its members logged it (restarted processes' logs included)."""
+    found = set()
+    for log in logs.glob("p*.log"):
+        found |= {m.groups() for m in SPLIT_LINE.finditer(log.read_text(errors="replace"))}
+    return len(found)
+
+
+def count_double_moves(logs: Path) -> int:
+    """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
+    claims gave different plans (every peer should compute the same one, with one mover per target)."""
+    movers: dict[tuple[int, int], set[str]] = {}
+    for log in logs.glob("p*.log"):
+        peer, last_round = log.name.split(".")[0], None  # p1.1.log: p1 restarted
+        for found in ROUND_OR_MOVE.finditer(log.read_text(errors="replace")):
+            if found.group(1) is not None:
+                last_round = int(found.group(1))
+            elif last_round is not None:
+                movers.setdefault((last_round, int(found.group(2))), set()).add(peer)
+    return sum(len(peers) - 1 for peers in movers.values())
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(idle, all) CPU time of the whole machine so far, from Linux's /proc/stat ((0, 0) elsewhere):
+    a window's idle share shows a swarm stalled in its rounds, which training would otherwise fill."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return float(fields[3] + fields[4]), float(sum(fields[:8]))  # idle + iowait; user..steal
