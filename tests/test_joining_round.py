@@ -163,5 +163,55 @@ def test_a_joiner_whose_state_is_a_round_old_starts_that_round_at_once_and_finds
     assert sorted(result.ahead) == sorted(h.peer_id for h in ahead), result.ahead
 
 
+def test_a_joiner_left_out_of_a_round_while_it_started_sits_it_out_instead_of_sending_a_part(
+    dht_factory, tmp_path
+):
+    """The holders' round reached the joiner while it started: it answered their probe that it was
+    starting, and they left it out and decided without it. Joining that round at its first step, as
+    their parts invited, it counted its own report and part where theirs did not: the two sides
+    applied different sets (a churn run's trunk split so, and was merged the next round). It sits
+    the round out instead, sending nothing, and takes their state once they are past it."""
+    from peer.sync.probe import STARTING_WHY
+
+    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
+    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
+    base = PathModel(CFG, (0, 0), seed=3)
+    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    sent = {2: SentRounds(tmp_path, RUN_ID)}
+    with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS, sent=sent) as members:
+        *holding, joiner = members
+        ids = [m.peer_id for m in members]
+        holders = {MODULE: ids}
+        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
+        loop = StreamingOuter(
+            {MODULE: ms}, manifest, joiner.peer_id, PeerMetrics("t", joiner.peer_id, "0", "t"), joiner.runner
+        )
+        ms.fragment_rounds = [ROUND]
+        loop.align(ms.fragment_rounds)
+        for m in members:
+            m.service.call(_set_current(m, ROUND))
+        joiner.service.training.clear()  # starting: its state, its data
+        deltas = [torch.full((numel,), 0.01 * (i + 1)) for i in range(2)]
+        rounds = [
+            m.runner.start((MODULE, 0, ROUND), d, 1.0, ids, "0" * 64)
+            for m, d in zip(holding, deltas, strict=True)
+        ]
+        results = [r.result(timeout=60) for r in rounds]
+        for m in holding:  # they applied it
+            m.service.call(_set_current(m, ROUND + 1))
+        joiner.service.training.set()
+        loop.tick(100, holders)
+        started = loop.clock == (ROUND + 1) * H and len(loop.pending) == 1
+        (pending,) = loop.drain()
+        result = loop.collect(pending)[MODULE]
+        sent_a_part = joiner.runner.sent.sent_already(MODULE, 0, ROUND)
+    assert all(r.dropped.get(joiner.peer_id) == STARTING_WHY for r in results), [r.dropped for r in results]
+    assert started, "the round it was left out of was not sat out at its first step"
+    assert not sent_a_part, "it sent a part of a round its members had decided without it"
+    assert result.outcome == "behind", (result.outcome, result.detail)
+    assert result.ahead and set(result.ahead) <= {m.peer_id for m in holding}, result.ahead
+
+
 async def _set_current(member, round_index: int) -> None:
     member.service.inbox.set_current(MODULE, 0, round_index)

@@ -244,10 +244,11 @@ class StreamingOuter:
         round_index = self.round_of() if self.round_of else 0
         for mid, ms in self.syncs.items():
             key = (mid, fragment, ms.fragment_rounds[fragment])
-            if self.runner.sent.sent_already(*key):
-                # an earlier life sent it: it is sat out (peer/sync/sitting_out.py), which needs none of
-                # our steps, and the holders, rounds past it, wait for our next part meanwhile
-                logger.info(f"{mid}: an earlier life sent round {key[2]}: sitting it out at once")
+            if self.runner.sitting_out.sent_already(key):
+                # an earlier life sent it, or its members left us out while we started: it is sat out
+                # (peer/sync/sitting_out.py), which needs none of our steps, and the holders, rounds
+                # past it, wait for our next part meanwhile
+                logger.info(f"{mid}: round {key[2]}, sent by an earlier life or left us out: sitting it out")
                 self.clock = due
                 return
             group = self.group_of(mid, round_index) if self.group_of else None

@@ -70,6 +70,10 @@ class SyncService:
         self.training = threading.Event()
         if not starting:
             self.training.set()
+        #: rounds whose members asked us while we were starting, once their parts had come: they left
+        #: us out of it (`left_out_starting`), so we do not join it at our first step (its members would
+        #: decide on different sets: a churn run split a trunk round so) but sit it out
+        self.left_out: set[tuple[str, int, int]] = set()
         self._background = BackgroundLoop("sync")
         self.loop = self._background.loop
         self.p2p = self.call(self._start(dht), timeout=30)
@@ -156,6 +160,8 @@ class SyncService:
                 self._check_run(query.run)
                 count = self.inbox.accepted.get(query.module, {}).get(query.peer, 0)
                 ok = self.training.is_set()
+                if not ok:
+                    self.left_out_starting(sender, query.module)
                 await self._ack(writer, Ack(ok=ok, reason=str(count) if ok else wire.STARTING))
                 return
             else:
@@ -169,6 +175,16 @@ class SyncService:
             await self._ack(writer, Ack(ok=False, reason=str(e)[:256]))
             return
         await self._ack(writer, Ack(ok=True))
+
+    def left_out_starting(self, asker: str, module: str) -> None:
+        """We answer `asker` that we are starting: its round of `module` leaves us out at once, and
+        that round is one whose part of `asker`'s we hold (it sends its part, then asks those silent).
+        At most two rounds a fragment: bounded by the modules we hold."""
+        for f in range(len(self.inbox.fragment_sizes.get(module, []))):
+            current = self.inbox.current.get((module, f), 0)
+            for key in ((module, f, current), (module, f, current + 1)):
+                if asker in self.inbox.senders(key):
+                    self.left_out.add(key)
 
     def _check_run(self, run: str) -> None:
         if run != self.run:

@@ -1,5 +1,7 @@
 """Rounds this peer sent its part and report for already (`SittingOut`): it never signs a second
-report for one (the others would catch it as an equivocator and ban it for ten minutes).
+report for one (the others would catch it as an equivocator and ban it for ten minutes). Rounds whose
+members left it out while it started (`SyncService.left_out`) are sat out the same way: joined, it
+would decide on a set of parts and reports its members did not.
 
 A round comes back after a restart (the previous life sent it, then was killed mid-round) or after a
 download set the state back to it (the holders were still in it when we went on alone). The first
@@ -59,7 +61,9 @@ class SittingOut:
         self._notices: set[asyncio.Task] = set()  # notices still being delivered
 
     def sent_already(self, key: Key) -> bool:
-        return self.sent.sent_already(*key)
+        """Whether we sit round `key` out: we sent it already, or its members left us out of it while
+        we were starting (`SyncService.left_out`: we send nothing for it, as if sent)."""
+        return self.sent.sent_already(*key) or key in self.service.left_out
 
     async def sit(self, key: Key, others: list[str]) -> tuple[str, list[str]]:
         """("behind", whom to take the state from) (we waited until the others were past the round),
