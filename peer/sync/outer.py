@@ -248,7 +248,9 @@ class StreamingOuter:
                 # an earlier life sent it, or its members left us out while we started: it is sat out
                 # (peer/sync/sitting_out.py), which needs none of our steps, and the holders, rounds
                 # past it, wait for our next part meanwhile
-                logger.info(f"{mid}: round {key[2]}, sent by an earlier life or left us out: sitting it out")
+                left = key in self.runner.service.left_out
+                why = "left us out while we started" if left else "was sent by an earlier life"
+                logger.info(f"{mid}: round {key[2]} {why}: sitting it out at once")
                 self.clock = due
                 return
             group = self.group_of(mid, round_index) if self.group_of else None
