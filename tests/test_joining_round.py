@@ -33,6 +33,34 @@ ROUND = 3
 TIMEOUT_SECONDS = 30.0
 
 
+OUTER = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
+MANIFEST = RunManifest(
+    name="t",
+    model=CFG,
+    seq_len=32,
+    sync=SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean"),
+    outer=OUTER,
+)
+
+
+def _base() -> tuple[PathModel, int]:
+    """The module's weights every member's copy starts from, and the size of its one fragment."""
+    base = PathModel(CFG, (0, 0), seed=3)
+    return base, ModuleSync(CFG, MODULE, base.parts[MODULE], OUTER, 1).fragment_size(0)
+
+
+def _loop_at_round(member, base: PathModel) -> StreamingOuter:
+    """`member`'s outer loop as a peer's that just took the module at round ROUND (a restart, a
+    download): its schedule at that round's first step, its inbox's window at that round."""
+    ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], OUTER, 1)
+    metrics = PeerMetrics("t", member.peer_id, "0", "t")
+    loop = StreamingOuter({MODULE: ms}, MANIFEST, member.peer_id, metrics, member.runner)
+    ms.fragment_rounds = [ROUND]
+    loop.align(ms.fragment_rounds)
+    member.service.call(_set_current(member, ROUND))  # as `PathSync._track` does
+    return loop
+
+
 def _wait_for_parts(loop: StreamingOuter, senders: set[str], seconds: float = 15.0) -> None:
     key = (MODULE, 0, ROUND)
     deadline = time.monotonic() + seconds
@@ -42,17 +70,13 @@ def _wait_for_parts(loop: StreamingOuter, senders: set[str], seconds: float = 15
 
 
 def test_a_joiner_starts_its_first_round_when_most_holders_sent_theirs_so_nobody_waits_for_it(dht_factory):
-    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
-    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
-    base = PathModel(CFG, (0, 0), seed=3)
-    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    base, numel = _base()
     with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS) as members:
         holders = {MODULE: [m.peer_id for m in members]}
         models = [copy.deepcopy(base) for _ in members]
-        syncs = [ModuleSync(CFG, MODULE, m.parts[MODULE], outer, 1) for m in models]
+        syncs = [ModuleSync(CFG, MODULE, m.parts[MODULE], OUTER, 1) for m in models]
         loops = [
-            StreamingOuter({MODULE: ms}, manifest, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
+            StreamingOuter({MODULE: ms}, MANIFEST, m.peer_id, PeerMetrics("t", m.peer_id, "0", "t"), m.runner)
             for m, ms in zip(members, syncs, strict=True)
         ]
         for m, ms, loop in zip(members, syncs, loops, strict=True):  # at round 3: the joiner took it
@@ -101,22 +125,13 @@ def test_a_restarted_holder_sits_out_the_round_its_previous_life_sent_at_its_fir
     while the holders, rounds past it, waited for its next part (a churn run's survivors left
     restarted peers out as late after 5 s, twice after one kill). The round needs none of its steps:
     it is sat out at the first step, and the holder past it is whose state it takes."""
-    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
-    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
-    base = PathModel(CFG, (0, 0), seed=3)
-    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    base, numel = _base()
     SentRounds(tmp_path, RUN_ID).record(MODULE, 0, ROUND)
     sent = {0: SentRounds(tmp_path, RUN_ID)}
     with sync_group(dht_factory, 2, numel, averaging_timeout=TIMEOUT_SECONDS, sent=sent) as members:
         restarted, holder = members
         holders = {MODULE: [m.peer_id for m in members]}
-        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
-        metrics = PeerMetrics("t", restarted.peer_id, "0", "t")
-        loop = StreamingOuter({MODULE: ms}, manifest, restarted.peer_id, metrics, restarted.runner)
-        ms.fragment_rounds = [ROUND]
-        loop.align(ms.fragment_rounds)
-        restarted.service.call(_set_current(restarted, ROUND))
+        loop = _loop_at_round(restarted, base)
         loop.tick(100, holders)
         started = loop.clock == (ROUND + 1) * H and len(loop.pending) == 1
         assert started, (
@@ -136,21 +151,11 @@ def test_a_joiner_whose_state_is_a_round_old_starts_that_round_at_once_and_finds
     round 4 as a straggler each time (a churn run's survivors left restarted peers out as late after
     5 s). It starts round 3 at its first step instead: the holders refuse it as over, and it is told
     it is behind, whose state to take."""
-    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
-    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
-    base = PathModel(CFG, (0, 0), seed=3)
-    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    base, numel = _base()
     with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS) as members:
         joiner, *ahead = members
         holders = {MODULE: [m.peer_id for m in members]}
-        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
-        loop = StreamingOuter(
-            {MODULE: ms}, manifest, joiner.peer_id, PeerMetrics("t", joiner.peer_id, "0", "t"), joiner.runner
-        )
-        ms.fragment_rounds = [ROUND]
-        loop.align(ms.fragment_rounds)
-        joiner.service.call(_set_current(joiner, ROUND))
+        loop = _loop_at_round(joiner, base)
         for holder in ahead:  # past round 3: their parts of round 4 come
             holder.service.call(_set_current(holder, ROUND + 1))
             assert send_delta(holder, joiner, fp32_bytes(torch.zeros(numel)), numel, round_index=ROUND + 1).ok
@@ -173,23 +178,14 @@ def test_a_joiner_left_out_of_a_round_while_it_started_sits_it_out_instead_of_se
     the round out instead, sending nothing, and takes their state once they are past it."""
     from peer.sync.probe import STARTING_WHY
 
-    outer = OuterOptimizerConfig(lr=0.7, momentum=0.0, nesterov=False)
-    sync = SyncConfig(inner_steps=H, averaging_timeout_seconds=TIMEOUT_SECONDS, aggregator="mean")
-    manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=outer)
-    base = PathModel(CFG, (0, 0), seed=3)
-    numel = ModuleSync(CFG, MODULE, base.parts[MODULE], outer, 1).fragment_size(0)
+    base, numel = _base()
     sent = {2: SentRounds(tmp_path, RUN_ID)}
     with sync_group(dht_factory, 3, numel, averaging_timeout=TIMEOUT_SECONDS, sent=sent) as members:
         *holding, joiner = members
         ids = [m.peer_id for m in members]
         holders = {MODULE: ids}
-        ms = ModuleSync(CFG, MODULE, copy.deepcopy(base).parts[MODULE], outer, 1)
-        loop = StreamingOuter(
-            {MODULE: ms}, manifest, joiner.peer_id, PeerMetrics("t", joiner.peer_id, "0", "t"), joiner.runner
-        )
-        ms.fragment_rounds = [ROUND]
-        loop.align(ms.fragment_rounds)
-        for m in members:
+        loop = _loop_at_round(joiner, base)
+        for m in holding:
             m.service.call(_set_current(m, ROUND))
         joiner.service.training.clear()  # starting: its state, its data
         deltas = [torch.full((numel,), 0.01 * (i + 1)) for i in range(2)]

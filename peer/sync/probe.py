@@ -13,7 +13,7 @@ down, or restarting, when it tried). Deciding without it, we would count parts i
 report leaves out while it applies the set without them: the copies split. A member that answers it
 is starting was restarted since it sent its part: its report died with its last life (a round is
 signed once), and it applies nothing of the round (it sits it out), so it is not waited for
-(`Restarted`); its part still counts as the voters' reports agree.
+(`Starting`); its part still counts as the voters' reports agree.
 """
 
 from __future__ import annotations
@@ -61,13 +61,12 @@ async def probe_silent(
         try:
             if not reports:
                 ack = await service.request(member, frames, PROBE_TIMEOUT_SECONDS)
-                if starting_fails and not ack.ok and ack.reason == wire.STARTING and member in silent():
-                    failed.setdefault(member, STARTING_WHY)
-                    slot.changed.set()
+                if starting_fails and not ack.ok and ack.reason == wire.STARTING:
+                    raise Starting(member)
             elif (report := await request_report(service, key, member, PROBE_TIMEOUT_SECONDS)) is not None:
                 service.inbox.add_report(member, report)  # checked as if pushed: signed by the member
-        except Restarted:
-            if member in silent():  # its report, if it signed one, died with its last life
+        except Starting:  # its part cannot come in time; its report, if it signed one, died with it
+            if member in silent():
                 failed.setdefault(member, STARTING_WHY)
                 slot.changed.set()
         except Exception as e:
@@ -111,15 +110,16 @@ async def wait_probing(
         asking.cancel()
 
 
-class Restarted(Exception):
-    """A member asked for its report answered it is starting: restarted since it sent its part (it
-    has run no round in this life), its report will never come. Waiting for it held every survivor
-    of a kill up to 5 s, until the restarted member's first step sat the round out."""
+class Starting(Exception):
+    """A member asked answered it is starting (before its first inner step). Asked for its part, it
+    cannot send one in time; asked for its report, it was restarted since it sent its part (it has
+    run no round in this life) and its report will never come: waiting for it held every survivor of
+    a kill up to 5 s, until the restarted member's first step sat the round out."""
 
 
 async def request_report(service: SyncService, key: tuple[str, int, int], member: str, timeout: float):
     """`member`'s own signed report of round `key`, or None while it has signed none; raises if the
-    member cannot be reached or answers outside the protocol, and `Restarted` if it answers it is
+    member cannot be reached or answers outside the protocol, and `Starting` if it answers it is
     starting."""
     request = wire.ReportRequest(
         run=service.run, key=wire.RoundKey(module=key[0], fragment=key[1], round=key[2])
@@ -134,7 +134,7 @@ async def request_report(service: SyncService, key: tuple[str, int, int], member
                 return None  # it took the stream and closed it: there, but not answering this (an older peer)
             if not (ack := wire.parse(Ack, body)).ok:
                 if ack.reason == wire.STARTING:
-                    raise Restarted(member)
+                    raise Starting(member)
                 return None
             _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
             service.bytes_received += len(body) + 5
