@@ -70,6 +70,50 @@ def test_a_member_restarted_after_its_part_came_is_not_waited_for_a_report_that_
     _its_part_counts_without_its_report(dht_factory, seed=19, silence=restart)
 
 
+def test_a_member_killed_after_it_reported_is_not_waited_for_its_echo_until_the_report_timeout(
+    dht_factory,
+):
+    """Its part and its signed report reached the others, then it died before it relayed the reports
+    it held (a churn run's kill between the two): every other member waited the whole report timeout
+    for that echo (5 s stalls of the whole swarm right after a kill). Their echo to it fails, their
+    probe finds its host refusing, and they decide at once: its part, which every report lists, counts."""
+    from peer.sync.inbox import delivery_digest
+    from tests.sync_members import send_report
+
+    deltas = deltas_for(3, seed=23)
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=40.0, report_timeout=30.0) as members:
+        ids = [m.peer_id for m in members]
+        a, b, third = members
+        payload = fp32_bytes(deltas[2])
+        for m in (a, b):
+            assert send_delta(third, m, payload, NUMEL).ok
+        started = time.monotonic()
+        pairs = zip((a, b), deltas[:2], strict=True)
+        futures = [m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64) for m, d in pairs]
+        wait_until = time.monotonic() + 20
+        while not all(third.service.call(_delivered(third, m.peer_id)) for m in (a, b)):
+            assert time.monotonic() < wait_until, "the parts never reached the member about to die"
+            time.sleep(0.05)
+        received = third.service.call(_digests(third))
+        received[third.peer_id] = delivery_digest(1.0, third.token, payload)
+        for m in (a, b):  # its report lists both parts: both wait for its echo
+            assert send_report(third, m, received).ok
+        third.service.shutdown()
+        third.dht.shutdown()
+        members.remove(third)
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"], [r.detail for r in results]
+    assert all(r.members == sorted(ids) for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert torch.allclose(results[0].delta, sum(deltas) / 3, atol=1e-6)
+    assert seconds < 15.0, seconds  # the report timeout, which bounds the echo wait, is 30 s
+
+
+async def _digests(member) -> dict[str, str]:
+    return {s: d.digest for s, d in member.service.inbox.slot((MODULE, 0, 0)).deliveries.items()}
+
+
 def _its_part_counts_without_its_report(dht_factory, seed: int, silence) -> None:
     """The third member's part reaches the other two, then `silence(members, third)` (it never
     reports); the two average all three parts alike, well before the 30 s report timeout."""

@@ -112,9 +112,12 @@ def relayed(held: list[Report], me: str, holds_ours: bool, caught: dict) -> list
     return [r for r in held if not (skip_ours and r.reporter == me)]
 
 
-async def send_echo(service, member: str, frames_for, deadline: float, key, pushed, sent: dict) -> None:
+async def send_echo(
+    service, member: str, frames_for, deadline: float, key, pushed, sent: dict, gone: dict
+) -> None:
     """Relays our reports to `member` (`frames_for(member)`) once `pushed`, our report's push to it, is
-    answered or a moment has passed; its bytes go to `sent[key]` while the round counts them."""
+    answered or a moment has passed; its bytes go to `sent[key]` while the round counts them. A member
+    that cannot be reached at all (not merely slow) goes into `gone`: its own echo is not waited for."""
     loop = asyncio.get_running_loop()
     if pushed is not None:
         await asyncio.wait({pushed}, timeout=min(ECHO_PUSH_WAIT_SECONDS, max(0.0, deadline - loop.time())))
@@ -125,3 +128,6 @@ async def send_echo(service, member: str, frames_for, deadline: float, key, push
             sent[key] += sum(len(f) for f in frames)
     except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
         logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")
+        if not isinstance(e, TimeoutError):  # the dial failed or the stream was reset: nobody is there
+            gone.setdefault(member, f"unreachable ({type(e).__name__})")
+            service.inbox.slot(key).changed.set()

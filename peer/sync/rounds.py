@@ -320,14 +320,22 @@ class RoundRunner:
             echo = wire.Echo(run=service.run, key=round_key, count=len(sent))
             return [wire.pack_header(Kind.ECHO, echo), *(wire.pack_header(Kind.REPORT, r) for r in sent)]
 
+        # a member killed after it reported sends no echo: our echo to it fails, or our probe finds
+        # its host refusing (or its next life starting), and it is not waited for (that wait held
+        # every other holder of the round the whole report timeout after each such kill)
+        gone: dict[str, str] = {}
         for m in targets:
-            echo = send_echo(self.service, m, echo_frames, echo_deadline, key, pushes.get(m), self._sent)
+            echo = send_echo(service, m, echo_frames, echo_deadline, key, pushes.get(m), self._sent, gone)
             sends.append(asyncio.create_task(echo))
         # a member echoes only to those whose part it received: one whose report leaves ours out (it
         # gathered before our part came) sends us no echo, and waiting for it would only cost time
         reports = slot.reports.reports
         echoing = [m for m in targets if self.me in reports[m].received]
-        await inbox.wait(key, lambda slot: all(m in slot.echoes for m in echoing), echo_deadline)
+
+        def unechoed() -> list[str]:
+            return [m for m in echoing if m not in slot.echoes and m not in gone]
+
+        await wait_probing(service, key, lambda slot: not unechoed(), unechoed, gone, echo_deadline)
         return sends
 
     async def _send(
