@@ -237,6 +237,35 @@ def test_a_sitter_waits_for_a_partner_that_is_starting_and_takes_its_state_once_
     assert result.outcome == "behind" and result.ahead == [partner.peer_id], (result.outcome, result.ahead)
 
 
+def test_a_sitter_whose_partner_sends_a_part_of_an_earlier_round_goes_on_alone_without_waiting_for_it(
+    dht_factory, tmp_path
+):
+    """Both holders were killed; the sitter's checkpoint was a round ahead of its partner's. The partner
+    trains and answers probes, but it is behind the round: it cannot get past it before it takes the
+    sitter's state, and its fragment's other rounds waited on the sitter's training, held at this
+    round's end (a churn run held both 7.5 s, and the survivors 5 s for their next parts). Its part of
+    the earlier round says so: the sitter goes on alone at once, still sending nothing."""
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 1)
+    x = torch.full((NUMEL,), 0.01)
+    sent = {0: SentRounds(tmp_path, RUN_ID)}
+    with sync_group(dht_factory, 2, NUMEL, averaging_timeout=20.0, report_timeout=10.0, sent=sent) as members:
+        sitter, partner = members
+        ids = [m.peer_id for m in members]
+        sitter.service.call(_at_round(sitter, 1))
+        started = time.monotonic()
+        sitting = sitter.runner.start((MODULE, 0, 1), x, 1.0, ids, "0" * 64)
+        ack = send_delta(partner, sitter, fp32_bytes(x), NUMEL, round_index=0)
+        result = sitting.result(timeout=60)
+        seconds = time.monotonic() - started
+    assert not ack.ok and ack.reason.startswith("stale"), ack
+    assert result.outcome == "alone" and result.members == [sitter.peer_id], (result.outcome, result.detail)
+    assert seconds < 10.0, seconds  # the sit-out's wait is the averaging plus report timeouts, 30 s
+
+
+async def _at_round(member, round_index: int) -> None:
+    member.service.inbox.set_current(MODULE, 0, round_index)
+
+
 def test_a_sitter_takes_the_state_of_a_partner_that_says_it_applied_the_round_without_awaiting_its_part(
     dht_factory, tmp_path
 ):

@@ -74,6 +74,9 @@ class SyncService:
         #: us out of it (`left_out_starting`), so we do not join it at our first step (its members would
         #: decide on different sets: a churn run split a trunk round so) but sit it out
         self.left_out: set[tuple[str, int, int]] = set()
+        #: per fragment, our round then and the holders that sent a part of an earlier one meanwhile:
+        #: behind us, they take our state, and a sit-out of that round need not wait for them
+        self.behind: dict[tuple[str, int], tuple[int, set[str]]] = {}
         self._background = BackgroundLoop("sync")
         self.loop = self._background.loop
         self.p2p = self.call(self._start(dht), timeout=30)
@@ -236,7 +239,19 @@ class SyncService:
             await self._take_delta(sender, header, reader, writer)
         except Refused as e:
             self.inbox.note_refused(sender, header, e.reason)
+            if e.reason == "stale":
+                self._note_behind(sender, (header.key.module, header.key.fragment))
             raise
+
+    def _note_behind(self, sender: str, fragment: tuple[str, int]) -> None:
+        """`sender` (a holder: `check_key` refused strangers before "stale") sent a part of a round we
+        are past: behind our current round of `fragment`. At most `max_senders` holders a fragment."""
+        current = self.inbox.current.get(fragment, 0)
+        at, senders = self.behind.get(fragment, (current, set()))
+        senders = senders if at == current else set()
+        if len(senders) < self.inbox.max_senders:
+            senders.add(sender)
+        self.behind[fragment] = (current, senders)
 
     async def _take_delta(self, sender: str, header: wire.DeltaHeader, reader, writer) -> None:
         key = self.inbox.check_delta_header(sender, header)

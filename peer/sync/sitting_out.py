@@ -25,7 +25,11 @@ between a part sent and the round applied: a restarted peer whose module partner
 it sat 20 s, and the survivors left it out as late for 5 s in four rounds in a row). A gone member
 that comes back sits the round out too and finds us past it: it takes our state. One that answers
 it is starting is not gone: it may have applied the round before it was killed (we would split
-from it), and once it trains it sends a part of the next round or sits the round out too.
+from it), and once it trains it sends a part of the next round or sits the round out too. One that
+sends a part of an earlier round (`SyncService.behind`: its checkpoint was older than ours) has not
+applied this one and cannot get past it but by taking our state: it is not waited for either (a
+churn run held a sitter 7.5 s so, and its fragment's other rounds, which waited on the partner's
+training, and the survivors' on the sitter's, 5 s each).
 """
 
 from __future__ import annotations
@@ -87,8 +91,12 @@ class SittingOut:
         def past(slot) -> bool:  # a part of theirs for the next round came, or one said it is past
             return bool(said_past) or any(s != self.me for s in slot.deliveries)
 
-        def awaited() -> list[str]:  # neither sitting it out too (all killed around it) nor gone
-            return [o for o in others if o not in sat and o not in gone]
+        def behind() -> set[str]:  # sent a part of an earlier round while we were at this one
+            at, senders = self.service.behind.get(key[:2], (None, set()))
+            return senders if at == key[2] else set()
+
+        def awaited() -> list[str]:  # neither sitting it out too (all killed around it), gone nor behind
+            return [o for o in others if o not in sat and o not in gone and o not in behind()]
 
         def settled(slot) -> bool:  # someone got past the round, or nobody is left to
             return past(slot) or not awaited()
@@ -98,8 +106,11 @@ class SittingOut:
         # not gone: it may be past the round (it applied it before it was killed), and would split
         # from a copy we took alone; once it trains, it sends a part of the next round or sits out
         await wait_probing(self.service, later, settled, awaited, gone, deadline, starting_fails=False)
-        if gone and not past(inbox.slot(later)) and not awaited():
-            logger.info(f"{key}: we sent this round's part already and the others are gone; going on alone")
+        if (gone or behind()) and not past(inbox.slot(later)) and not awaited():
+            # a member behind the round has not applied it (its state is older): it takes ours
+            logger.info(
+                f"{key}: we sent this round's part already; the others are gone or behind: going on alone"
+            )
             return "alone", []
         logger.info(f"{key}: we sent this round's part already; taking the holders' state instead")
         # from those past the round; one sitting it out too is at the round, as we are: its state
