@@ -56,6 +56,7 @@ class GroupSettings:
     fragments: int
     mode: str
     tokens: dict[str, str]  # the claim view's tokens
+    also: tuple[str, ...] = ()  # modules held beside MODULE, of the same shape
 
 
 def make_member(
@@ -67,8 +68,8 @@ def make_member(
     standing = Standing(check, group.mode, lambda peer: group.tokens.get(peer, ""))
     left = group.left
     inbox = Inbox(
-        {MODULE: [group.numel] * group.fragments}, c, lambda peer, module: peer not in left, 32,
-        group.max_delta_norm, standing,
+        {m: [group.numel] * group.fragments for m in (MODULE, *group.also)}, c,
+        lambda peer, module: peer not in left, 32, group.max_delta_norm, standing,
     )  # fmt: skip
     service = SyncService(dht, RUN_ID, inbox, stream_timeout_seconds=30, key=key)
     if admitted:
@@ -97,8 +98,10 @@ def sync_group(
     mode: str = "open",
     identity_paths: dict[int, str] | None = None,
     sent: dict[int, SentRounds] | None = None,
+    also: tuple[str, ...] = (),
 ):
-    """n members holding one module of `fragments` fragments of `numel` numbers each; every member counts the
+    """n members holding one module (and those named in `also`) of `fragments` fragments of `numel`
+    numbers each; every member counts the
     others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
     leaving claims). The members whose indices are in `admitted` hold the creator's admission (the
     others are on probation: nobody is admitted unless the test says so). Member i's identity is kept
@@ -106,7 +109,7 @@ def sync_group(
     `sent[i]`."""
     group = GroupSettings(
         numel, codec, aggregator, averaging_timeout, report_timeout, max_delta_norm,
-        set() if left is None else left, fragments, mode, {},
+        set() if left is None else left, fragments, mode, {}, also,
     )  # fmt: skip
     members: list[Member] = []
     try:

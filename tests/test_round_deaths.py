@@ -9,7 +9,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from peer.sync import wire
 from peer.sync.sent_rounds import SentRounds
+from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, fp32_bytes, send_delta, sync_group
 from tests.test_rounds import NUMEL, deltas_for
 
@@ -264,6 +266,32 @@ def test_a_sitter_whose_partner_sends_a_part_of_an_earlier_round_goes_on_alone_w
 
 async def _at_round(member, round_index: int) -> None:
     member.service.inbox.set_current(MODULE, 0, round_index)
+
+
+def test_a_member_sitting_out_another_round_of_ours_is_not_waited_for_in_this_one(dht_factory):
+    """A restarted holder sits out its round of one module (it sent it before it was killed) and waits,
+    its training held at that round's end, until we are past it; we get past it only once this round
+    of another module is done, which waited for that holder's part: a churn run's pairs held each
+    other so until the straggler bound (5 s). Its notice says so: it is left out of this round at once."""
+    from peer.sync.rounds import HELD
+
+    x = torch.full((NUMEL,), 0.01)
+    with sync_group(
+        dht_factory, 2, NUMEL, averaging_timeout=20.0, report_timeout=5.0, also=("trunk",)
+    ) as members:
+        a, sitter = members
+        ids = [m.peer_id for m in members]
+        notice = wire.SitOut(run=RUN_ID[:16], key=wire.RoundKey(module=MODULE, fragment=0, round=0))
+        frames = [wire.pack_header(Kind.SIT_OUT, notice)]
+        assert sitter.service.call(sitter.service.request(a.peer_id, frames, 10), timeout=20).ok
+        started = time.monotonic()
+        result = a.runner.start(("trunk", 0, 0), x, 1.0, ids, "0" * 64).result(timeout=60)
+        seconds = time.monotonic() - started
+    assert result.outcome == "alone" and result.dropped == {sitter.peer_id: HELD}, (
+        result.outcome,
+        result.dropped,
+    )
+    assert seconds < 5.0, seconds  # the averaging timeout is 20 s
 
 
 def test_a_sitter_takes_the_state_of_a_partner_that_says_it_applied_the_round_without_awaiting_its_part(

@@ -154,11 +154,9 @@ class Inbox:
             logger.warning(f"banned {sender} for {BAN_SECONDS:.0f} s: {BAN_AFTER_BAD_PARTS} bad parts")
 
     def banned(self, sender: str) -> bool:
-        until = self._banned_until.get(sender)
-        if until is not None and self.clock() >= until:
-            del self._banned_until[sender]
-            until = None
-        return until is not None
+        if (until := self._banned_until.get(sender)) is not None and self.clock() >= until:
+            del self._banned_until[sender]  # served its time
+        return sender in self._banned_until
 
     def active_holders(self, module: str, within_seconds: float) -> list[str]:
         """Holders that offered outer gradients of `module` lately (readable from any thread)."""
@@ -218,8 +216,7 @@ class Inbox:
 
     def senders(self, key: Key) -> frozenset[str]:
         """Who sent us a part for round `key` so far; safe to call from another thread."""
-        slot = self._slots.get(key)
-        return slot.senders if slot is not None else frozenset()
+        return slot.senders if (slot := self._slots.get(key)) is not None else frozenset()
 
     def keep_parts(self, key: Key, parts: dict[str, Delivery]) -> None:
         """Keeps the parts a round agreed on a while, for members that missed some of them."""
@@ -230,14 +227,12 @@ class Inbox:
         _keep_latest(self._own_reports, key, report)
 
     def check_asker(self, asker: str, module: str) -> None:
-        """Raises `Refused` unless `asker` holds a claim on `module` and may take part in the run:
-        what a round's parts and reports are served to."""
+        """Raises `Refused` unless `asker` holds `module` and may take part: whom parts go to."""
         if not self.is_holder(asker, module) or not self.standing.takes_part(asker):
             raise Refused("not_holder", f"{asker} holds no claim on {module}")
 
     def own_report(self, asker: str, key: Key) -> Report | None:
-        """Our report of round `key` for `asker` (`check_asker`, not banned); None if we have signed
-        none (yet)."""
+        """Our report of round `key` for `asker` (`check_asker`, not banned); None if none signed yet."""
         if self.banned(asker):
             raise Refused("banned", f"{asker} sent too many bad parts")
         self.check_asker(asker, key[0])
@@ -269,9 +264,14 @@ class Inbox:
 
     def note_sat_out(self, sender: str, key: Key) -> None:
         """`sender` sends no part or report for round `key` (checked: a holder, within our window)."""
-        slot = self.slot(key)
-        slot.sat_out.add(sender)
+        (slot := self.slot(key)).sat_out.add(sender)
         slot.changed.set()
+
+    def holds_up(self, member: str, key: Key) -> bool:
+        """Whether `member` sits out a round of ours other than `key` but of its fragment, which we are
+        not past: its training waits at that round's end until we are, so its part of `key` comes late."""
+        rounds = ((k, s) for k, s in self._slots.items() if k[1] == key[1] and k != key)
+        return any(k[2] >= self.current.get(k[:2], 0) and member in s.sat_out for k, s in rounds)
 
     def note_hello(self, sender: str, modules: list[str]) -> None:
         """`sender`'s claim on `modules` was read after it said HELLO: it holds them again."""

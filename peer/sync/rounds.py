@@ -56,7 +56,9 @@ RETRY_SECONDS = 0.5
 #: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
 #: a member that said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already)
 SAT_OUT = "sat out (it sent this round already)"
-GONE = ("unreachable", "ahead", LEFT, SAT_OUT)
+#: a member sitting out another round of ours that we are not past: it waits for us to be (Inbox.holds_up)
+HELD = "held up (it sits out a round of ours not over yet)"
+GONE = ("unreachable", "ahead", LEFT, SAT_OUT, HELD)
 
 
 @dataclass
@@ -242,6 +244,8 @@ class RoundRunner:
                     failed[m] = LEFT
                 elif m not in slot.deliveries and m not in failed and m in slot.sat_out:
                     failed[m] = SAT_OUT
+                elif m not in slot.deliveries and m not in failed and inbox.holds_up(m, key):
+                    failed[m] = HELD  # its training waits for ours, which waits for this round
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
             waiting = [
@@ -320,17 +324,13 @@ class RoundRunner:
             echo = wire.Echo(run=service.run, key=round_key, count=len(sent))
             return [wire.pack_header(Kind.ECHO, echo), *(wire.pack_header(Kind.REPORT, r) for r in sent)]
 
-        # a member killed after it reported sends no echo: our echo to it fails, or our probe finds
-        # its host refusing (or its next life starting), and it is not waited for (that wait held
-        # every other holder of the round the whole report timeout after each such kill)
-        gone: dict[str, str] = {}
+        gone: dict[str, str] = {}  # killed after it reported: our echo to it or our probe finds so
         for m in targets:
             echo = send_echo(service, m, echo_frames, echo_deadline, key, pushes.get(m), self._sent, gone)
             sends.append(asyncio.create_task(echo))
-        # a member echoes only to those whose part it received: one whose report leaves ours out (it
-        # gathered before our part came) sends us no echo, and waiting for it would only cost time
-        reports = slot.reports.reports
-        echoing = [m for m in targets if self.me in reports[m].received]
+        # a member echoes only to those whose part it received (one whose report leaves ours out sends
+        # us none); one found gone sends none either: waiting held every other holder the report timeout
+        echoing = [m for m in targets if self.me in slot.reports.reports[m].received]
 
         def unechoed() -> list[str]:
             return [m for m in echoing if m not in slot.echoes and m not in gone]
