@@ -240,13 +240,16 @@ class SyncService:
         except Refused as e:
             self.inbox.note_refused(sender, header, e.reason)
             if e.reason == "stale":
-                self._note_behind(sender, (header.key.module, header.key.fragment))
+                self._note_behind(sender, header.key)
             raise
 
-    def _note_behind(self, sender: str, fragment: tuple[str, int]) -> None:
+    def _note_behind(self, sender: str, key: wire.RoundKey) -> None:
         """`sender` (a holder: `check_key` refused strangers before "stale") sent a part of a round we
-        are past: behind our current round of `fragment`. At most `max_senders` holders a fragment."""
-        current = self.inbox.current.get(fragment, 0)
+        are past (not one we decided without it): it is behind our current round of that fragment. At
+        most `max_senders` holders a fragment."""
+        fragment = (key.module, key.fragment)
+        if key.round >= (current := self.inbox.current.get(fragment, 0)):
+            return
         at, senders = self.behind.get(fragment, (current, set()))
         senders = senders if at == current else set()
         if len(senders) < self.inbox.max_senders:
