@@ -101,12 +101,11 @@ def sync_group(
     also: tuple[str, ...] = (),
 ):
     """n members holding one module (and those named in `also`) of `fragments` fragments of `numel`
-    numbers each; every member counts the
-    others as holders (the claim view's answer) except the peer ids the test puts in `left` (their
-    leaving claims). The members whose indices are in `admitted` hold the creator's admission (the
-    others are on probation: nobody is admitted unless the test says so). Member i's identity is kept
-    in `identity_paths[i]` where given (so a test can restart it), and its record of rounds sent in
-    `sent[i]`."""
+    numbers each; every member counts the others as holders (the claim view's answer) except the peer ids
+    the test puts in `left` (their leaving claims). The members whose indices are in `admitted` hold the
+    creator's admission (the others are on probation: nobody is admitted unless the test says so). Member
+    i's identity is kept in `identity_paths[i]` where given (so a test can restart it), and its record of
+    rounds sent in `sent[i]`."""
     group = GroupSettings(
         numel, codec, aggregator, averaging_timeout, report_timeout, max_delta_norm,
         set() if left is None else left, fragments, mode, {}, also,

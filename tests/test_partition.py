@@ -109,8 +109,8 @@ def test_halves_of_a_partitioned_swarm_train_apart_and_agree_again_after_the_hea
     # the count compared is the latest all four lineages hold below the lowest final one.
     for module in ("trunk", "l0m0"):
         by_count = [final_lineage_by_count(tmp_path / n, module) for n in names]
-        common = set.intersection(*(set(c) for c in by_count))
-        last = max((k for k in common if k < min(max(c) for c in by_count)), default=-1)
+        common, lowest_final = set.intersection(*map(set, by_count)), min(max(c) for c in by_count)
+        last = max((k for k in common if k < lowest_final), default=-1)
         assert last > split_at + 3, [sorted(c) for c in by_count]
         states = [module_state(c[last], module) for c in by_count]
         for other in states[1:]:
