@@ -27,7 +27,9 @@ group's, repaired or merged: each such round once, however many members logged i
 `modules_reset` (a module started again from initial weights). A window, not a number of rounds per
 peer: with a fixed number of rounds each, the run lasted until the most-killed peer made up its
 downtime while the others had finished, and that tail, not the swarm's rate, set the ratio.
-Writes DIR/goodput.json, DIR/goodput.md and DIR/goodput.png.
+Both arms' runs are made as `pathswarm run create` makes them, with the routing index of their
+corpus (`--routing_index_documents`, 0: none, each peer routes for itself), which the peers fetch
+from the bootstrap that serves the run folder. Writes DIR/goodput.json, DIR/goodput.md and DIR/goodput.png.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from benchmarks.goodput_logs import MOVE_MARK, count_double_moves, count_splits, cpu_seconds  # noqa: E402
 from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
 from benchmarks.wan.report import load_weights  # noqa: E402
+from peer.artifacts.store import ArtifactStore  # noqa: E402
 from peer.checkpoint import load_latest_checkpoint  # noqa: E402
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm  # noqa: E402
 from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig  # noqa: E402
@@ -58,6 +61,9 @@ from peer.model.tokenizer import load_tokenizer  # noqa: E402
 from peer.model.transformer import PathModel  # noqa: E402
 from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
+from peer.run.options import RunChoices  # noqa: E402
+from peer.run.routing_index import build_run_index  # noqa: E402
+from peer.swarm.base_model import ARTIFACTS_SUBDIR  # noqa: E402
 from peer.training.history import LOOP_PARTS  # noqa: E402
 
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
@@ -101,8 +107,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the peers' --prefetch_batches (0: every batch made in the loop); unset: the peer's default",
     )
+    p.add_argument(
+        "--routing_index_documents",
+        type=int,
+        default=RunChoices.model_fields["routing_index_documents"].default,
+        help="documents the runs' routing index covers (run create's flag); 0: none, each peer routes",
+    )
     p.add_argument("--arms", nargs="+", default=["rotation", "churn"], choices=["rotation", "churn"])
     return p.parse_args(argv)
+
+
+def make_run(args: argparse.Namespace, name: str, rounds: int, folder: Path) -> tuple[RunManifest, str]:
+    """The run's manifest, its routing index in folder/artifacts as `run create` puts it, and the
+    `--run NAME@PIN` to join it (`write_run`)."""
+    manifest = make_manifest(args, name, rounds)
+    store = ArtifactStore(folder / ARTIFACTS_SUBDIR)
+    index = build_run_index(manifest, load_tokenizer(manifest.tokenizer), store, args.routing_index_documents)
+    if index is not None:
+        manifest = RunManifest.model_validate({**manifest.model_dump(), "routing_index": index})
+    return manifest, write_run(manifest, folder)
 
 
 def make_manifest(args: argparse.Namespace, name: str, rounds: int) -> RunManifest:
@@ -174,8 +197,7 @@ def start_monitor(swarm: LocalSwarm, args, run: str) -> str:
 
 def rotation(args: argparse.Namespace, folder: Path) -> dict:
     names = [f"p{i}" for i in range(3)]
-    manifest = make_manifest(args, "goodput-rotation", args.rounds)
-    run = write_run(manifest, folder)
+    manifest, run = make_run(args, "goodput-rotation", args.rounds, folder)
     samples: list[tuple[float, float]] = []
     started = time.monotonic()
     with LocalSwarm(folder / "logs") as swarm:
@@ -252,8 +274,7 @@ def eval_paths(args: argparse.Namespace, manifest: RunManifest, folder: Path, na
 
 def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     names = [f"p{i}" for i in range(4)]
-    manifest = make_manifest(args, "goodput-churn", args.churn_rounds)
-    run = write_run(manifest, folder)
+    manifest, run = make_run(args, "goodput-churn", args.churn_rounds, folder)
     rng = random.Random(args.seed)
     kills: list[dict] = []
     started = time.monotonic()

@@ -1,7 +1,7 @@
 """A run's data and tokenizer shared by hash: `run create --share_data` copies the local files beside
 the manifest (a tokenizer file always goes there), a node started with that manifest serves them, and
 a peer with no copy (no --data_root, the originals gone) fetches them, checks them and trains on the
-same documents; eval finds them too."""
+same documents, routed by the run's routing index; eval finds them too."""
 
 from __future__ import annotations
 
@@ -108,12 +108,15 @@ def test_a_peer_without_the_files_fetches_the_runs_shards_and_tokenizer_and_trai
             wait_for(lambda n=name: not swarm.alive(n), 180, f"peer {name}'s two rounds", swarm)
             assert swarm.wait(name, timeout=10) == 0, swarm.log_path(name).read_text()[-3000:]
         boot_log, *logs = (swarm.log_path(n).read_text() for n in ("bootstrap", "a", "b"))
-    assert "5 artifacts" in boot_log, boot_log[-2000:]  # 3 shards, the tokenizer, the router
+    assert "6 artifacts" in boot_log, boot_log[-2000:]  # 3 shards, the tokenizer, the router, the index
     for name, log in zip("ab", logs, strict=True):
         assert log.count("fetching data shard") == 3 and "round 2 step" in log, log[-3000:]
         assert "fetching the run's tokenizer" in log, log[-3000:]
+        assert "fetching the run's routing index" in log, log[-3000:]
         for ref in spec.shards:
             assert (tmp_path / name / "artifacts" / ref.sha256).read_bytes() == originals[ref.sha256]
+        # the run's index covers its 360 documents: the peer routed none of them itself
+        assert not [f for f in (tmp_path / name / "routes").glob("*.idx") if f.stat().st_size], name
     # eval reads the held-out documents from the shards (here: the peer's copies)
     shutil.rmtree(tmp_path / "run" / "artifacts")
     proc = subprocess.run(

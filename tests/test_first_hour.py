@@ -128,10 +128,10 @@ def test_a_peer_whose_copy_of_a_data_file_is_cut_short_is_refused_naming_the_fil
 
 
 def test_a_manifest_of_the_previous_format_is_refused_in_one_line(tmp_path):
-    """Format 7 added dataset.fingerprints: a format 6 manifest (without them) says so, not that it
-    is not canonical."""
-    old = {**RunManifest(name="old-run").model_dump(mode="json"), "format_version": 6}
-    del old["dataset"]["fingerprints"]
+    """Format 8 added routing_index: a format 7 manifest (without it) says so, not that it is not
+    canonical."""
+    old = {**RunManifest(name="old-run").model_dump(mode="json"), "format_version": 7}
+    del old["routing_index"]
     key = RSAPrivateKey()
     manifest_json = json.dumps(old, sort_keys=True, separators=(",", ":"))
     run_id = hashlib.sha256(manifest_json.encode()).hexdigest()
@@ -139,7 +139,7 @@ def test_a_manifest_of_the_previous_format_is_refused_in_one_line(tmp_path):
     record = ManifestRecord(run_id=run_id, manifest_json=manifest_json, signature=key.sign(run_id.encode()),
                             creator_public_key=key.get_public_key().to_bytes())  # fmt: skip
     path.write_text(record.model_dump_json())
-    with pytest.raises(ConfigError, match="manifest format 6 is not this pathswarm's \\(7\\)"):
+    with pytest.raises(ConfigError, match="manifest format 7 is not this pathswarm's \\(8\\)"):
         load_verified_manifest(path)
 
 

@@ -18,6 +18,7 @@ from peer.artifacts.room import check_room, free_bytes
 from peer.artifacts.store import ArtifactError, ArtifactStore
 from peer.cli.main import main
 from peer.config import RunManifest, one_line
+from peer.config.manifest import MAX_ROUTING_INDEX_BYTES
 from peer.errors import ConfigError
 from peer.model.grid import MAX_PATHS, ModelConfig
 from peer.run.record import load_verified_manifest, verify_record
@@ -124,3 +125,11 @@ def test_artifacts_that_fit_or_are_already_held_pass_the_room_check(tmp_path):
     small = ref(1, 1 << 20)
     named = [("router_file", got), ("dataset.shards", small), ("dataset.shards", small)]
     assert check_room(store, named) == 1 << 20
+
+
+def test_a_routing_index_over_its_cap_is_refused_in_one_line_naming_the_field():
+    with pytest.raises(ValidationError) as err:
+        RunManifest(name="indexed", routing_index=ref(0, MAX_ROUTING_INDEX_BYTES + 1))
+    message, cap = one_line(err.value), MAX_ROUTING_INDEX_BYTES
+    assert f"routing_index of {cap + 1} bytes exceeds {cap}" in message, message
+    assert RunManifest(name="indexed", routing_index=ref(0, cap)).routing_index is not None

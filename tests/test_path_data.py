@@ -1,20 +1,22 @@
 """A peer's data across its moves (`PathData`): a path it comes back to goes on where its stream
 stopped, a new router version starts the stream again, only the latest few streams are kept, a
-path visited for the first time routes only what no earlier pass read, and the next batches are made
-ahead of the loop without changing which batches it gets."""
+path visited for the first time routes only what no earlier pass read nor the run's routing index
+covers, and the next batches are made ahead of the loop without changing which batches it gets."""
 
 from __future__ import annotations
 
 import functools
 import time
 
+import numpy as np
 import pytest
 import torch
 
+from peer.artifacts.store import ArtifactStore
 from peer.data.batches import PathBatches, encode_document
 from peer.data.prefetch import PrefetchedBatches
-from peer.data.routed import RoutedDocuments
-from peer.data.sources import load_documents
+from peer.data.routed import RECORD, RoutedDocuments, build_index
+from peer.data.sources import load_documents, split_of
 from peer.errors import ConfigError
 from peer.run.rebuild import check_tokenizer, make_route
 from peer.run.record import load_verified_manifest
@@ -192,6 +194,49 @@ def test_documents_past_the_index_cap_are_routed_again_by_every_pass(run):
     first = routed.paths(0, texts, encode, wanted=0)
     assert len(routed) == 30 and sum(calls) == 40
     assert routed.paths(0, texts, encode, wanted=0) == first and sum(calls) == 50
+
+
+def test_a_peer_given_the_runs_routing_index_routes_only_the_documents_it_does_not_cover(run, tmp_path):
+    manifest, tokenizer, route = run
+    texts = [d for _, d in zip(range(60), load_documents(manifest.dataset), strict=False)]
+    encode, eval_fraction = functools.partial(encode_document, tokenizer), manifest.dataset.eval_fraction
+    made: list[int] = []
+    assert build_index(counting(route, made), eval_fraction, texts, encode, tmp_path / "run.idx", 40) == 40
+    assert 0 < sum(made) <= 40 and (tmp_path / "run.idx").stat().st_size == 40 * RECORD.itemsize
+    calls: list[int] = []
+    peer = RoutedDocuments(counting(route, calls), eval_fraction, file=tmp_path / "own.idx",
+                           run_index=tmp_path / "run.idx")  # fmt: skip
+    changed = [*texts[:7], texts[50], *texts[8:]]  # position 7 holds another document here
+    got = peer.paths(0, changed, encode, wanted=1)
+    assert got == RoutedDocuments(route, eval_fraction).paths(0, changed, encode, wanted=1)
+    # routed here: the changed document and those past the index's 40, nothing else
+    assert sum(calls) == _train(texts[50], manifest) + len([t for t in changed[40:] if _train(t, manifest)])
+    positions = sorted(int(p) for p in np.fromfile(tmp_path / "own.idx", RECORD)["position"])
+    assert positions == [7, *range(40, 60)]  # the peer keeps what it routed, not what it was given
+
+
+def _train(text: str, manifest) -> bool:
+    return split_of(text, manifest.dataset) == "train"
+
+
+def test_path_data_reads_the_run_index_the_manifest_names_and_its_batches_are_the_same(run, tmp_path):
+    manifest, tokenizer, route = run
+    encode = functools.partial(encode_document, tokenizer)
+    documents, index = load_documents(manifest.dataset), tmp_path / "routing_index.bin"
+    build_index(route, manifest.dataset.eval_fraction, documents, encode, index, 10_000)
+    store = ArtifactStore(tmp_path / "artifacts")
+    indexed = manifest.model_copy(update={"routing_index": store.add_file(index, index.name)})
+    calls: list[int] = []
+    data = PathData(indexed, tokenizer, 4, None, "me", prefetch=0, artifact_folders=[store.root])
+    got = take(data.batches(2, counting(route, calls), [], step=0), 30)
+    assert sum(calls) == 0
+    for a, b in zip(got, take(fresh_stream(manifest, tokenizer, route, 2, step=0), 30), strict=True):
+        assert torch.equal(a, b)
+    # a file of the index's name that is not the run's is not believed: the peer routes for itself
+    store.path(indexed.routing_index.sha256).write_bytes(b"\0" * indexed.routing_index.size_bytes)
+    data = PathData(indexed, tokenizer, 4, None, "me", prefetch=0, artifact_folders=[store.root])
+    take(data.batches(2, counting(route, calls), [], step=0), 3)
+    assert sum(calls) > 0
 
 
 def settles(predicate, what: str, timeout: float = 20.0) -> None:

@@ -163,6 +163,7 @@ def _serve_run_artifacts(dht, manifest, args: argparse.Namespace):
         ("base model", manifest.base_checkpoint),
         ("tokenizer", manifest.tokenizer_file),
         ("router", manifest.router_file),
+        ("routing index", manifest.routing_index),
     ]
     refs = [(what, ref) for what, ref in named if ref is not None]
     refs += [(f"data shard {r.name}", r) for r in manifest.dataset.shards]

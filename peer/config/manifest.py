@@ -21,10 +21,14 @@ from peer.model.grid import ModelConfig
 
 #: 3: α applies at τ = 0 too (v2 ignored it there), so a v2 manifest would train differently;
 #: 4: base_checkpoint; 5: dataset.shards, tokenizer_file, router_file; 6: inner_steps (H) moves
-#: into sync, beside fragments (P) and overlap_steps (τ); and admission; 7: dataset.fingerprints
-MANIFEST_FORMAT_VERSION = 7
+#: into sync, beside fragments (P) and overlap_steps (τ); and admission; 7: dataset.fingerprints;
+#: 8: routing_index
+MANIFEST_FORMAT_VERSION = 8
 #: a router file larger than this is refused before it is fetched or read
 MAX_ROUTER_FILE_BYTES = 64 << 20
+#: a routing index larger than this is refused before it is fetched: 16-byte records of the 10
+#: million documents a peer's index keeps at most (peer/data/routed.py)
+MAX_ROUTING_INDEX_BYTES = 16 * 10_000_000
 
 
 class _Frozen(BaseModel):
@@ -253,6 +257,9 @@ class RunManifest(_Frozen):
     #: the dense base model every module starts from and the router's features come from
     #: (peer/model/base.py), fetched by hash from the peers that serve it (peer/artifacts/)
     base_checkpoint: ArtifactRef | None = None
+    #: where each of the corpus's first documents goes under the router, routed once by the run's
+    #: creator (peer/run/routing_index.py); None: every peer routes for itself
+    routing_index: ArtifactRef | None = None
     created_at: float = 0.0
 
     @model_validator(mode="before")
@@ -283,6 +290,10 @@ class RunManifest(_Frozen):
         if self.router_file is not None and self.router_file.size_bytes > MAX_ROUTER_FILE_BYTES:
             raise ValueError(
                 f"router_file of {self.router_file.size_bytes} bytes exceeds {MAX_ROUTER_FILE_BYTES}"
+            )
+        if self.routing_index is not None and self.routing_index.size_bytes > MAX_ROUTING_INDEX_BYTES:
+            raise ValueError(
+                f"routing_index of {self.routing_index.size_bytes} bytes exceeds {MAX_ROUTING_INDEX_BYTES}"
             )
         return self
 

@@ -35,6 +35,7 @@ from peer.model.route import feature_model, prefix_features
 from peer.model.router import fit_router, rebalance, share_ratio
 from peer.model.tokenizer import Tokenizer, load_tokenizer
 from peer.run.options import RunOptions, manifest_settings
+from peer.run.routing_index import build_run_index
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,13 @@ def manifest_from_options(
     update = {}
     if shared is not None:  # the router and base were fitted on the same files, read by path
         update["dataset"] = shared
+    # routed once here for every peer (the manifest's router is still inline: the route reads it)
+    index = build_run_index(manifest, tok, store, o.routing_index_documents, base) if store else None
+    if index is not None:
+        update["routing_index"] = index
     # the router by hash, when someone serves the run's artifacts anyway or it is big: the manifest
-    # stays a small DHT record. A run with nothing to serve keeps a small router inline, so its peers
-    # need no node that holds the run folder.
+    # stays a small DHT record. A run with nothing else to serve keeps a small router inline, so its
+    # peers need no node that holds the run folder (one that cannot get the index routes for itself).
     served = base_ref is not None or tokenizer_ref is not None or shared is not None
     if store is not None and (served or len(json.dumps(manifest.router)) > INLINE_ROUTER_BYTES):
         update["router"], update["router_file"] = {}, router_artifact(manifest.router, store)

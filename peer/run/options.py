@@ -52,6 +52,13 @@ class RunChoices(BaseModel):
         description="copy the --data_files beside the manifest, named by hash: nodes started with this "
         "--manifest_path serve them and peers fetch them (no volunteer needs a copy or --data_root)",
     )
+    routing_index_documents: int = Field(
+        100_000,
+        ge=0,
+        description="route this many of the corpus's first documents here, once, into the run's routing "
+        "index (served beside the manifest): peers read where each goes instead of routing it "
+        "themselves; 0: none (a hub dataset is never indexed)",
+    )
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:

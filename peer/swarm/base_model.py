@@ -23,6 +23,7 @@ from peer.artifacts.store import ArtifactError, ArtifactStore, require_artifact
 from peer.artifacts.transfer import ArtifactService, providers
 from peer.config import PeerConfig, RunManifest
 from peer.model.base import ModuleStates, load_base
+from peer.run.routing_index import INDEX_SOURCES_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,14 @@ def obtain_artifact(
     what: str,
     progress: bool = True,
     quiet: bool = False,
+    find_seconds: float = FIND_SOURCES_SECONDS,
 ) -> Path:
     """One of the run's artifacts (`what` names it in messages), from a local copy or fetched from
-    the peers that serve it, checked against the manifest's hashes; offered to other peers from now
-    on. `run`: (name, id)."""
+    the peers that serve it (looked for `find_seconds`), checked against the manifest's hashes;
+    offered to other peers from now on. `run`: (name, id)."""
     store = service.store
     if not store.has(ref) and not any(_adopt(store, other, ref) for other in local):
-        deadline, last = time.monotonic() + FIND_SOURCES_SECONDS, "no peer offers it yet"
+        deadline, last = time.monotonic() + find_seconds, "no peer offers it yet"
         while not store.has(ref):
             sources = providers(dht, run[0], run[1], ref.sha256)
             if sources:
@@ -100,6 +102,7 @@ def run_artifacts(manifest: RunManifest) -> list[tuple[str, ArtifactRef]]:
             ("base_checkpoint", manifest.base_checkpoint),
             ("tokenizer_file", manifest.tokenizer_file),
             ("router_file", manifest.router_file),
+            ("routing_index", manifest.routing_index),
         )
         if ref is not None
     ]
@@ -128,6 +131,12 @@ def start_artifact_service(
         ):
             if ref is not None:
                 obtain_artifact(service, dht, run, ref, local, what)
+        if manifest.routing_index is not None:  # a speed-up: without it the peer routes for itself
+            try:
+                obtain_artifact(service, dht, run, manifest.routing_index, local, "the run's routing index",
+                                find_seconds=INDEX_SOURCES_SECONDS)  # fmt: skip
+            except ArtifactError as e:
+                logger.warning(f"{e}: routing every document here")
         shards = manifest.dataset.shards
         many = len(shards) > MANY_SHARDS  # one line and one progress bar, not one per shard
         if many:

@@ -37,6 +37,7 @@ from peer.data.prefetch import PrefetchedBatches
 from peer.data.routed import RoutedDocuments
 from peer.data.sources import load_documents
 from peer.model.route import Route
+from peer.run.routing_index import run_index_file
 from peer.seeding import stable_seed
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,16 @@ class PathData:
         seed_of: str,
         index_dir: Path | None = None,
         prefetch: int = 0,
+        artifact_folders: Sequence[Path] = (),
     ):
         """`root`: where the run's local data lies (`check_data`); `seed_of`: what makes this peer's
         data order its own (its peer id); `index_dir`: where the routing index of each router version
         is kept for the next life of the peer (its checkpoint folder; None: not kept); `prefetch`: batches
-        made ahead of the loop (`PrefetchedBatches`; 0: none)."""
+        made ahead of the loop (`PrefetchedBatches`; 0: none); `artifact_folders`: where the run's
+        routing index of the manifest's router is (peer/run/routing_index.py), read before our own."""
         self.manifest, self.tokenizer, self.batch_size = manifest, tokenizer, batch_size
         self.root, self.seed_of, self.index_dir = root, seed_of, index_dir
-        self.prefetch = prefetch
+        self.prefetch, self.run_index = prefetch, run_index_file(manifest, list(artifact_folders))
         #: path index -> its stream, least recent first
         self._streams: dict[int, PrefetchedBatches] = {}
         self._routed: RoutedDocuments | None = None  # of the latest route a stream was made with
@@ -95,7 +98,8 @@ class PathData:
                 if self.index_dir is not None:
                     name = f"{m.run_id}-router{router_version}-eval{m.dataset.eval_fraction}.idx"
                     file = Path(self.index_dir) / "routes" / name
-                self._routed = RoutedDocuments(route, m.dataset.eval_fraction, file=file)
+                shared = self.run_index if router_version == 0 else None  # another route's index is no help
+                self._routed = RoutedDocuments(route, m.dataset.eval_fraction, file=file, run_index=shared)
             seed, skip = self._resume.pop(index, (stable_seed(self.seed_of, step), 0))
             made = PathBatches(
                 load_documents(m.dataset, root=self.root, shard_folders=shard_folders),

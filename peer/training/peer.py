@@ -131,7 +131,7 @@ class Peer:
         self.tokenizer = check_tokenizer(self.manifest, self._artifact_folders())
         self.data = PathData(
             self.manifest, self.tokenizer, cfg.batch_size, self._data_root, self.peer_id, cfg.checkpoint_dir,
-            prefetch=cfg.prefetch_batches,
+            prefetch=cfg.prefetch_batches, artifact_folders=self._artifact_folders(),
         )  # fmt: skip
         admission = obtain_admission(self.dht, cfg, self.manifest, self.record, self.peer_id)
         self.membership = Membership(
