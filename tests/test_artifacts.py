@@ -1,5 +1,6 @@
 """Content-addressed artifacts between real peers: fetched by hash from whoever serves them, in
-verified chunks from several sources, resumed after a crash, and refused when tampered with."""
+verified chunks from several sources, resumed after a crash, and refused when tampered with; the
+run's routing index, a speed-up, never stops a peer that cannot get it."""
 
 from __future__ import annotations
 
@@ -155,3 +156,40 @@ def test_a_source_over_its_upload_limits_answers_busy_and_the_fetcher_waits_its_
     assert path.read_bytes() == original.read_bytes()
     assert limits.refused.get("asker_rate", 0) > 0 and creator.chunks_served == ref.n_chunks
     assert time.monotonic() - started > (21 - 4) / 4 * 0.8  # the rate held: 21 chunks, 4 a second
+
+
+def test_a_peer_that_finds_no_source_of_the_routing_index_starts_without_it_and_adopts_a_local_copy(
+    dht_factory, tmp_path, monkeypatch, caplog
+):
+    from dht.serve_limits import ServeLimits
+    from peer.config import PeerConfig, RunManifest
+    from peer.run.routing_index import run_index_file
+    from peer.swarm import base_model
+
+    index = tmp_path / "index.bin"
+    index.write_bytes(os.urandom(16 * 100))
+    ref = ArtifactStore(tmp_path / "described").add_file(index, "routing_index.bin")
+    manifest = RunManifest(name=RUN, routing_index=ref)
+    monkeypatch.setattr(base_model, "INDEX_SOURCES_SECONDS", 0.5)
+    dht, key = dht_factory(run_name=RUN, run_id=RUN_ID)
+    joined = [str(m) for m in dht.get_visible_maddrs()]
+    config = PeerConfig(run=RUN, initial_peers=joined, checkpoint_dir=tmp_path / "peer")
+    service, base = base_model.start_artifact_service(dht, key, config, manifest, RUN_ID, ServeLimits())
+    try:  # nobody serves it: a warning and a start, not the minute-long wait and error of a base model
+        assert base is None and run_index_file(manifest, [service.store.root]) is None
+        assert (
+            "could not get the run's routing index" in caplog.text
+            and "routing every document here" in caplog.text
+        )
+    finally:
+        service.shutdown()
+    # beside the manifest (where run create writes it), it is taken in and read
+    ArtifactStore(tmp_path / "run" / "artifacts").add_file(index, "routing_index.bin")
+    config = PeerConfig(run=RUN, initial_peers=joined, checkpoint_dir=tmp_path / "peer",
+                        manifest_path=tmp_path / "run" / "manifest.json")  # fmt: skip
+    service, _ = base_model.start_artifact_service(dht, key, config, manifest, RUN_ID, ServeLimits())
+    try:
+        assert run_index_file(manifest, [service.store.root]) == service.store.path(ref.sha256)
+        assert service.store.path(ref.sha256).read_bytes() == index.read_bytes()
+    finally:
+        service.shutdown()
