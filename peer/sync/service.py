@@ -243,6 +243,11 @@ class SyncService:
                 self._note_behind(sender, header.key)
             raise
 
+    def behind_of(self, key: tuple[str, int, int]) -> set[str]:
+        """The holders that sent a part of an earlier round of the fragment while we were at `key`'s."""
+        at, senders = self.behind.get(key[:2], (None, set()))
+        return set(senders) if at == key[2] else set()
+
     def _note_behind(self, sender: str, key: wire.RoundKey) -> None:
         """`sender` (a holder: `check_key` refused strangers before "stale") sent a part of a round we
         are past (not one we decided without it): it is behind our current round of that fragment. At

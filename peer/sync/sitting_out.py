@@ -92,8 +92,7 @@ class SittingOut:
             return bool(said_past) or any(s != self.me for s in slot.deliveries)
 
         def behind() -> set[str]:  # sent a part of an earlier round while we were at this one
-            at, senders = self.service.behind.get(key[:2], (None, set()))
-            return senders if at == key[2] else set()
+            return self.service.behind_of(key)
 
         def awaited() -> list[str]:  # neither sitting it out too (all killed around it), gone nor behind
             return [o for o in others if o not in sat and o not in gone and o not in behind()]
