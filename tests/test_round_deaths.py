@@ -165,34 +165,3 @@ def test_a_member_still_starting_is_left_out_at_once_and_waited_for_once_it_trai
 
 async def _delivered(member, sender) -> bool:
     return sender in member.service.inbox.slot((MODULE, 0, 0)).deliveries
-
-
-def test_a_member_that_sends_a_part_of_an_earlier_round_is_not_waited_for_in_this_one(dht_factory):
-    """A restarted holder whose checkpoint was a round older than ours trains and answers probes, but it
-    cannot send its part of our round before it has taken our state: it is behind. A churn run's
-    survivor waited for one until the straggler bound (5 s) and fell a round behind the others; a
-    holder that had waited as long for the survivor went on alone meanwhile, and their copies split.
-    Its part of the earlier round says it is behind: it is left out of this round at once."""
-    from peer.sync.rounds import BEHIND
-
-    x = torch.full((NUMEL,), 0.01)
-    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=30.0, report_timeout=5.0) as members:
-        a, b, behind = members
-        ids = [m.peer_id for m in members]
-        for m in (a, b):
-            m.service.call(_at_round(m, 1))
-        started = time.monotonic()
-        futures = [m.runner.start((MODULE, 0, 1), x, 1.0, ids, "0" * 64) for m in (a, b)]
-        acks = [send_delta(behind, m, fp32_bytes(x), NUMEL, round_index=0) for m in (a, b)]
-        results = [f.result(timeout=60) for f in futures]
-        seconds = time.monotonic() - started
-    assert all(not ack.ok and ack.reason.startswith("stale") for ack in acks), acks
-    for r in results:
-        assert r.outcome == "averaged" and sorted(r.members) == sorted([a.peer_id, b.peer_id]), r
-        assert r.dropped == {behind.peer_id: BEHIND}, r.dropped
-    assert torch.equal(results[0].delta, results[1].delta)
-    assert seconds < 10.0, seconds  # before: the averaging timeout (no straggler bound yet), 30 s
-
-
-async def _at_round(member, round_index: int) -> None:
-    member.service.inbox.set_current(MODULE, 0, round_index)

@@ -53,13 +53,12 @@ logger = logging.getLogger(__name__)
 
 #: how often a member that is catching up is offered our outer gradient again
 RETRY_SECONDS = 0.5
-#: why a member is not waited for: our Δ did not reach it, it is already past this round, it left, it
-#: said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already), it sits out another
-#: round of ours that we are not past (it waits for us to be: Inbox.holds_up), or it sent a part of an
-#: earlier round during this one (`SyncService.behind_of`: it takes our state, not H steps later)
-SAT_OUT, HELD = "sat out (it sent this round already)", "held up (it sits out a round of ours not over yet)"
-BEHIND = "behind (it sent a part of an earlier round)"
-GONE = ("unreachable", "ahead", LEFT, SAT_OUT, HELD, BEHIND)
+#: why a member is not waited for: our Δ did not reach it, it is already past this round, or it left
+#: a member that said it sends nothing more for this round (`Kind.SIT_OUT`: it sent it already)
+SAT_OUT = "sat out (it sent this round already)"
+#: a member sitting out another round of ours that we are not past: it waits for us to be (Inbox.holds_up)
+HELD = "held up (it sits out a round of ours not over yet)"
+GONE = ("unreachable", "ahead", LEFT, SAT_OUT, HELD)
 
 
 @dataclass
@@ -112,7 +111,9 @@ class RoundRunner:
     def __init__(
         self, service: SyncService, codec: Codec, settings: RoundSettings, sent: SentRounds | None = None
     ):
-        self.service, self.codec, self.settings = service, codec, settings
+        self.service = service
+        self.codec = codec
+        self.settings = settings
         #: the rounds we sent a part for, this life and (kept on disk) earlier ones
         self.sent = sent if sent is not None else SentRounds(None)
         self.me = service.peer_id
@@ -120,7 +121,8 @@ class RoundRunner:
         self.sitting_out = SittingOut(service, self.sent, wait)
         self.stragglers = StragglerBound(self.sent.path.parent if self.sent.path else None, self.sent.run_id)
         self._tasks: set[asyncio.Task] = set()  # sends still running after their round was decided
-        self._sent: dict[Key, int] = {}  # bytes we sent for each round in flight (what its result reports)
+        #: bytes this peer sent for each round in flight (what its result reports)
+        self._sent: dict[Key, int] = {}
 
     def _keep(self, tasks: list[asyncio.Task]) -> None:
         for task in tasks:
@@ -244,8 +246,6 @@ class RoundRunner:
                     failed[m] = SAT_OUT
                 elif m not in slot.deliveries and m not in failed and inbox.holds_up(m, key):
                     failed[m] = HELD  # its training waits for ours, which waits for this round
-                elif m not in slot.deliveries and m not in failed and m in self.service.behind_of(key):
-                    failed[m] = BEHIND
             # a member that refused our Δ (it banned us, or found it malformed) is still in the round
             # and sends its own: wait for it, or our report would leave it out while others keep it
             waiting = [
