@@ -62,7 +62,7 @@ from peer.model.transformer import PathModel  # noqa: E402
 from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
 from peer.run.options import RunChoices  # noqa: E402
-from peer.run.routing_index import build_run_index  # noqa: E402
+from peer.run.routing_index import with_run_index  # noqa: E402
 from peer.swarm.base_model import ARTIFACTS_SUBDIR  # noqa: E402
 from peer.training.history import LOOP_PARTS  # noqa: E402
 
@@ -120,11 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_run(args: argparse.Namespace, name: str, rounds: int, folder: Path) -> tuple[RunManifest, str]:
     """The run's manifest, its routing index in folder/artifacts as `run create` puts it, and the
     `--run NAME@PIN` to join it (`write_run`)."""
-    manifest = make_manifest(args, name, rounds)
     store = ArtifactStore(folder / ARTIFACTS_SUBDIR)
-    index = build_run_index(manifest, load_tokenizer(manifest.tokenizer), store, args.routing_index_documents)
-    if index is not None:
-        manifest = RunManifest.model_validate({**manifest.model_dump(), "routing_index": index})
+    manifest = with_run_index(make_manifest(args, name, rounds), store, args.routing_index_documents)
     return manifest, write_run(manifest, folder)
 
 

@@ -34,3 +34,7 @@ def test_demo_trains_and_holders_agree(tmp_path):
     assert summary["heldout_docs"] >= 50
     assert summary["heldout_loss_final"] < 0.75 * summary["heldout_loss_initial"], summary
     assert summary["bytes_sent_total"] > 0
+    # the corpus was routed once, beside the manifest, and every peer read that instead of routing it
+    for peer in summary["paths"]:
+        assert "fetching the run's routing index" in (out / "logs" / f"{peer}.log").read_text(), peer
+        assert not [f for f in (out / peer / "routes").glob("*.idx") if f.stat().st_size], peer

@@ -86,7 +86,10 @@ def run_demo(
 
     from dht.node import start_dht
     from peer.cli.local_swarm import LocalSwarm
+    from peer.run.options import RunChoices
     from peer.run.record import save_record, sign_manifest
+    from peer.run.routing_index import with_run_index
+    from peer.swarm.base_model import run_folder_store
 
     if n_peers < 1 or rounds < 1:
         raise ConfigError("--peers and --rounds must be >= 1")
@@ -100,9 +103,12 @@ def run_demo(
             "(nothing was deleted)"
         )
     workdir.mkdir(parents=True, exist_ok=True)
-    manifest = demo_manifest(rounds, inner_steps)
-    record = sign_manifest(manifest, RSAPrivateKey())
     manifest_file = workdir / "manifest.json"
+    # the corpus routed once here, as `run create` does: the bootstrap serves the index from beside the
+    # manifest, and the peers read where each document goes instead of routing it themselves
+    covered = RunChoices.model_fields["routing_index_documents"].default
+    manifest = with_run_index(demo_manifest(rounds, inner_steps), run_folder_store(manifest_file), covered)
+    record = sign_manifest(manifest, RSAPrivateKey())
     save_record(record, manifest_file)
     run = f"{RUN_NAME}@{record.run_id[:16]}"
     print(f"run {run}: {n_peers} peers, 2x2 grid, {rounds} rounds of {inner_steps} steps; logs in {workdir}")

@@ -73,6 +73,18 @@ def build_run_index(
     return ref
 
 
+def with_run_index(manifest: RunManifest, store: ArtifactStore, max_documents: int) -> RunManifest:
+    """`manifest` (with its router inline, no base model) naming its routing index, written into
+    `store` (the run folder's artifacts): what `run create` makes, for callers that build a manifest
+    themselves (the demo, benchmarks)."""
+    from peer.run.rebuild import check_tokenizer
+
+    index = build_run_index(manifest, check_tokenizer(manifest), store, max_documents)
+    if index is None:
+        return manifest
+    return RunManifest.model_validate({**manifest.model_dump(), "routing_index": index})
+
+
 def run_index_file(manifest: RunManifest, folders: list[Path]) -> Path | None:
     """The run's routing index from the first of `folders` (artifact folders) that has it, if the run
     has one; None where none has it (the peer routes for itself) or a file there is not the run's."""
