@@ -32,7 +32,9 @@ def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
         DatasetSpec(kind="builtin", builtin_docs=300),
         seq_len=32,
         inner=InnerOptimizerConfig(lr=2e-3, warmup_steps=2, total_steps=100),
-        sync=SyncConfig(inner_steps=8, averaging_timeout_seconds=20.0, max_group_size=2),
+        # H = 24, not 8: a peer whose first step comes late under load (a full suite's) still makes round 1,
+        # which a partner otherwise runs without it ("starting: not training yet") and the check below fails
+        sync=SyncConfig(inner_steps=24, averaging_timeout_seconds=20.0, max_group_size=2),
         router_docs=150,
     )
     record = sign_manifest(manifest, RSAPrivateKey())
