@@ -13,7 +13,8 @@ tokens each had trained at each round's end, over the window where all of them w
 `max_round_gap_seconds`: the longest time between two consecutive rounds of one peer. `moves`: the
 rotations the peers made (their "rotating from path" lines), beside `train_fraction` because fewer
 moves raise it (session 35 took a fraction bought by moves not made for a gain); `double_moves`: moves
-onto a path another peer moved onto at the same round (peers whose claim views planned differently).
+onto a path another peer moved onto at the same round (peers whose claim views planned differently);
+`extra_moves`: moves beyond the first at one round's end, onto any path (the rotation moves one peer).
 
 `churn`: 4 peers, one per path, training for `--churn_seconds` from launch (then every peer is sent
 SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer (seeded) is SIGKILLed
@@ -48,7 +49,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks.goodput_logs import MOVE_MARK, count_double_moves, count_splits, cpu_seconds  # noqa: E402
+from benchmarks.goodput_logs import (  # noqa: E402
+    MOVE_MARK,
+    count_double_moves,
+    count_extra_moves,
+    count_splits,
+    cpu_seconds,
+)
 from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
 from benchmarks.wan.report import load_weights  # noqa: E402
 from peer.artifacts.store import ArtifactStore  # noqa: E402
@@ -251,6 +258,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
         rounds_split=count_splits(folder / "logs"),
         moves=count_marks(folder / "logs", (MOVE_MARK,)),
         double_moves=count_double_moves(folder / "logs"),
+        extra_moves=count_extra_moves(folder / "logs"),
         seconds=round(time.monotonic() - started, 1),
     )
 
@@ -335,8 +343,9 @@ def table(report: dict) -> str:
             "| rotation | the loop's time by part | "
             + ", ".join(f"{k} {v:.1%}" for k, v in r["loop_parts"].items())
             + " | |",
-            f"| rotation | moves (rotations made), onto a path another peer took at the same round | "
-            f"{r['moves']}, {r.get('double_moves', '–')} | |",
+            "| rotation | moves (rotations made); onto a path another peer took at the same round; "
+            f"beyond one at a round | {r['moves']}; {r.get('double_moves', '–')}; "
+            f"{r.get('extra_moves', '–')} | |",
             f"| rotation | tokens/s measured, monitor | {r['tokens_per_second']:.0f}, "
             f"{r['monitor_tokens_per_second']:.0f} (error {r['monitor_error']:.1%}) | error ≤ 15% |",
             f"| rotation | round gap max, median (s) | {r['max_round_gap_seconds']:.1f}, "

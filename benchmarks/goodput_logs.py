@@ -28,17 +28,34 @@ def count_splits(logs: Path) -> int:
     return len(found)
 
 
-def count_double_moves(logs: Path) -> int:
-    """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
-    claims gave different plans (every peer should compute the same one, with one mover per target)."""
-    movers: dict[tuple[int, int], set[str]] = {}
+def _moves(logs: Path) -> list[tuple[int, int, str]]:
+    """(round, target path, peer) of every move in the peers' logs: a move is of the last round logged."""
+    moves = []
     for log in logs.glob("p*.log"):
         peer, last_round = log.name.split(".")[0], None  # p1.1.log: p1 restarted
         for found in ROUND_OR_MOVE.finditer(log.read_text(errors="replace")):
             if found.group(1) is not None:
                 last_round = int(found.group(1))
             elif last_round is not None:
-                movers.setdefault((last_round, int(found.group(2))), set()).add(peer)
+                moves.append((last_round, int(found.group(2)), peer))
+    return moves
+
+
+def count_double_moves(logs: Path) -> int:
+    """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
+    claims gave different plans (every peer should compute the same one, with one mover per target)."""
+    movers: dict[tuple[int, int], set[str]] = {}
+    for round_index, target, peer in _moves(logs):
+        movers.setdefault((round_index, target), set()).add(peer)
+    return sum(len(peers) - 1 for peers in movers.values())
+
+
+def count_extra_moves(logs: Path) -> int:
+    """Moves beyond the first at one round's end, onto any path: the rotation moves one peer a round, so
+    a second mover planned on a view that differed (one that saw the first mover's new claim, session 51)."""
+    movers: dict[int, set[str]] = {}
+    for round_index, _, peer in _moves(logs):
+        movers.setdefault(round_index, set()).add(peer)
     return sum(len(peers) - 1 for peers in movers.values())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from benchmarks.goodput_logs import count_double_moves, count_splits
+from benchmarks.goodput_logs import count_double_moves, count_extra_moves, count_splits
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel
@@ -60,3 +60,9 @@ def test_two_peers_moving_onto_one_path_at_the_same_round_count_as_a_double_move
         + line.format(4, "rotating from path 0 to path 2 (path steps 0: 840)")
     )
     assert count_double_moves(tmp_path) == 1
+    # beyond one mover at round 20, onto any path: p1's restarted process (p1.log and p1.1.log are one peer)
+    (tmp_path / "p3.log").write_text(
+        line.format(5, "round 24 step 1400 loss 1.0 {} (own round 24)")
+        + line.format(5, "rotating from path 1 to path 0 (path steps 0: 900)")
+    )
+    assert count_double_moves(tmp_path) == 1 and count_extra_moves(tmp_path) == 2

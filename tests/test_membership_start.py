@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from dht.node import start_dht
+from dht.schema import ClaimRecord
 from monitoring.metrics import PeerMetrics
 from peer.config import PeerConfig
 from peer.model.grid import all_paths, path_index, path_module_ids
 from peer.run.record import load_verified_manifest
 from peer.swarm.claims import publish_claim
-from peer.swarm.membership import Membership, Progress
+from peer.swarm.membership import Membership
+from peer.swarm.progress import Progress
 from tests.swarm_harness import RUN, write_manifest
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -83,4 +85,46 @@ def test_a_claim_the_heartbeat_made_as_we_moved_is_stored_with_the_path_we_moved
         assert claim.path == path_index(manifest.model, new), claim
     finally:
         member.shutdown()
+        dht.shutdown()
+
+
+def test_in_the_round_before_a_rotation_round_the_heartbeat_reads_the_claims_between_its_beats(tmp_path):
+    """The rotation of round r is planned on every claim of round r - 1, and a view one beat old had the
+    others' claims of round r - 2: the training thread read the DHT at the round's end (2–3% of the
+    goodput rotation arm). Half a round after our round r - 1 ends the heartbeat reads once more; in
+    other rounds it reads only at its beats."""
+    path, _ = write_manifest(tmp_path)
+    manifest, record = load_verified_manifest(path)
+    dht, key = start_dht(run_name=RUN, run_id=record.run_id)
+    maddrs = [str(a) for a in dht.get_visible_maddrs()]
+    other_dht, other = start_dht(initial_peers=maddrs, run_name=RUN, run_id=record.run_id)
+    progress = Progress()
+    config = PeerConfig(run=RUN, new_swarm=True, manifest_path=path, checkpoint_dir=tmp_path / "a",
+                        heartbeat_seconds=14.0, rotate_every_rounds=4)  # fmt: skip
+    member = Membership(dht, key, config, manifest, record, lambda: progress, torch.device("cpu"))
+    try:
+        ours, theirs = all_paths(manifest.model)[:2]
+        member.claim_path(ours)
+        member.start(PeerMetrics(RUN, member.peer_id, "0", "test"))
+        claim = ClaimRecord(peer_id=str(other_dht.peer_id), path=path_index(manifest.model, theirs),
+                            modules=path_module_ids(manifest.model, theirs), outer_round=2)  # fmt: skip
+        assert publish_claim(other_dht, other, RUN, record.run_id, claim)
+
+        def rounds_end(*rounds: int) -> None:
+            for r in rounds:
+                progress.outer_round = r
+                member.announce()
+                time.sleep(0.2)
+
+        rounds_end(1, 2)  # round 3 is no rotation round: nothing read between beats
+        time.sleep(1.0)
+        assert claim.peer_id not in member.claims
+        rounds_end(3)  # round 4 is
+        deadline = time.monotonic() + 5.0
+        while claim.peer_id not in member.claims and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert claim.peer_id in member.claims
+    finally:
+        member.shutdown()
+        other_dht.shutdown()
         dht.shutdown()

@@ -21,8 +21,9 @@ from peer.model.grid import ModelConfig, all_paths
 from peer.run.record import sign_manifest
 from peer.scheduler import Assignment, GridState, online_decision
 from peer.swarm.claims import holders_by_module, publish_claim
-from peer.swarm.membership import Membership, Progress
+from peer.swarm.membership import Membership
 from peer.swarm.planning import build_snapshot, grid_state, online_move, path_parameters
+from peer.swarm.progress import Progress
 from peer.training.replan import OnlineReplanner
 from peer.training.rotate import MAX_DEFERRED_ROUNDS, RotationPolicy
 

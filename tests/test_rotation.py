@@ -228,6 +228,33 @@ def test_views_in_which_a_peers_announcement_of_the_round_had_or_had_not_arrived
     assert round_view(lambda: lagging, dict, 4, wait_seconds=30.0, stop=stopped)[0] == lagging
 
 
+def test_a_peer_that_reads_the_movers_new_claim_plans_the_same_rotation_and_does_not_move_too():
+    """In the goodput rotation arm (session 51) the mover went at round 20's end from path 3 to the
+    uncovered path 2; another peer, reading its new claim, saw path 3 uncovered and moved there as well.
+    A claim of the round on a path it trained nothing of in that round is read on the path it trained."""
+
+    def at_round_20(peer, path, steps):
+        return claim(peer, path, steps, outer_round=20, round_steps={str(path): 50})
+
+    before = {
+        "a": at_round_20("a", 1, {1: 822}),
+        "b": at_round_20("b", 3, {3: 797}),
+        "c": at_round_20("c", 0, {0: 791, 2: 737}),
+    }
+    plan = plan_rotation(GRID, round_view(lambda: before, dict, 20, 1.0, threading.Event())[0], 20, 4, 50)
+    assert plan is not None and plan.target == 2
+    mover, source = plan.mover, plan.source
+    moved = before[mover].model_copy(update={"path": 2})
+    seen, _ = round_view(lambda: before | {mover: moved}, dict, 20, 1.0, threading.Event())
+    assert seen[mover].path == source
+    assert plan_rotation(GRID, seen, 20, 4, 50) == plan
+    # the claim of a peer that did not move, or moved in an earlier round, is read as it is
+    assert all(seen[p].path == before[p].path for p in before if p != mover)
+    moved_before = claim("b", 2, {3: 797, 2: 50}, outer_round=20, round_steps={"2": 50})
+    seen, _ = round_view(lambda: before | {"b": moved_before}, dict, 20, 1.0, threading.Event())
+    assert seen["b"].path == 2
+
+
 def test_free_keys_claiming_paths_hold_no_path_unless_they_took_part_in_our_latest_trunk_round():
     creator = RSAPrivateKey()
     standing = Standing(AdmissionCheck("e5" * 32, creator.get_public_key().to_bytes()), "open")

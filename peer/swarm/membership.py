@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import hivemind
 import torch
@@ -43,34 +42,21 @@ from peer.swarm.claims import (
 from peer.swarm.keeper import kept_modules
 from peer.swarm.manifest import publish_record
 from peer.swarm.planning import build_snapshot, my_averaging_group, path_parameters, planned_path
-from peer.swarm.rotation import Rotation, claimed_path_steps, live_claims, plan_rotation, round_view
+from peer.swarm.progress import Progress
+from peer.swarm.rotation import (
+    Rotation,
+    RotationRead,
+    claimed_path_steps,
+    live_claims,
+    plan_rotation,
+    round_view,
+)
 from peer.sync.standing import Standing
 
 logger = logging.getLogger(__name__)
 
 #: every how many heartbeats a peer on probation in an open run asks the run's authority to admit it
 ADMISSION_SEEK_HEARTBEATS = 4
-
-
-@dataclass
-class Progress:
-    """What a peer reports about its training in its claim (a claim, to others: see DESIGN §8)."""
-
-    step: int = 0
-    outer_round: int = 0
-    tokens_total: int = 0
-    tokens_per_second: float = 0.0
-    digests: dict[str, str] = field(default_factory=dict)
-    module_rounds: dict[str, list[int]] = field(default_factory=dict)
-    loss: float | None = None
-    sync_outcomes: dict[str, int] = field(default_factory=dict)
-    bad_parts: dict[str, int] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    #: path index -> inner steps trained on it as of the end of round `outer_round` (none of the next),
-    #: and of those, the steps of that round itself (`ClaimRecord.round_steps`)
-    path_steps: dict[int, int] = field(default_factory=dict)
-    round_steps: dict[int, int] = field(default_factory=dict)
 
 
 class Membership:
@@ -112,6 +98,7 @@ class Membership:
         self._probe_service = probes.ProbeService(dht) if config.probe_file is None else None
         self._stop = threading.Event()
         self._wake = threading.Event()  # "publish our claim now" from the training loop
+        self._rotation_read = RotationRead(config.rotate_every_rounds)  # a read for the next rotation
         self._heartbeat: threading.Thread | None = None
         #: the peer's artifact service, whose offers the heartbeat keeps published (None: no artifacts)
         self.artifacts = None
@@ -221,6 +208,7 @@ class Membership:
         if self._heartbeat is None or not self._heartbeat.is_alive():
             self.publish_claim()
         else:
+            self._rotation_read.round_ended(self.progress().outer_round)
             self._wake.set()
 
     def probe(self, cycle: int) -> None:
@@ -318,10 +306,12 @@ class Membership:
         return plan_rotation(cfg, claims, round_index, every, h, h, set(steering), took_part)
 
     def move_to(self, path: Path) -> None:
-        """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`."""
+        """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`. Not
+        stored here: the move's downloads take a tenth of a second, `start_path` stores the claim before
+        anyone needs it, and the store was 0.04–0.23 s of a move on the training thread (session 51);
+        the holders of the modules we leave were told by our BYE, a heartbeat in between stores it."""
         self.path = path
         self.ready = False
-        self.publish_claim()
 
     def start_path(self) -> None:
         """Ready to average on the path we moved to: in the DHT before we say HELLO to its holders."""
@@ -383,19 +373,23 @@ class Membership:
         cycle = 0
         next_beat = time.monotonic() + self.config.heartbeat_seconds
         while True:
-            woken = self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            woken = self._wake.wait(max(0.0, self._rotation_read.until(next_beat) - time.monotonic()))
             if self._stop.is_set():
                 break
             self._wake.clear()
-            if woken and time.monotonic() < next_beat:  # an announcement between beats: the claim only
+            if time.monotonic() < next_beat:  # between beats: an announcement (the claim), a read due
                 try:
-                    self.publish_claim()
+                    if woken:
+                        self.publish_claim()
+                    if self._rotation_read.take():
+                        self.read_claims()
                 except Exception as e:
-                    logger.warning(f"publishing our claim failed: {e}")
+                    logger.warning(f"publishing our claim or reading the others' failed: {e}")
                 continue
             next_beat = time.monotonic() + self.config.heartbeat_seconds
             try:
                 self.publish_claim()
+                self._rotation_read.take()  # the beat's read below serves it
                 self.read_claims()
                 metrics.set_peers_seen(len(self.claims))
                 if time.monotonic() - last_probe > self.manifest.scheduler.probe_every_seconds:

@@ -71,14 +71,56 @@ def round_view(
         stop.wait(0.05)
 
 
+class RotationRead:
+    """When the heartbeat reads the claims between its beats: in the round before a rotation round.
+
+    The rotation of round r is planned on every claim of round r - 1 or later (`round_view`), and the
+    heartbeat's view (one read a beat, a beat longer than a round in fast runs) had the others' claims
+    of round r - 2 at almost every rotation round: the training thread read the DHT again at the
+    round's end, 0.05–0.3 s in which no step ran (2–3% of the goodput rotation arm, session 51). So
+    the heartbeat reads once more, `share` of a round after our round r - 1 ended: the others' claims
+    of it are out by then (they end each round within a fraction of a round of us: the trunk's rounds
+    hold every peer together), and our round r's end finds them in hand."""
+
+    def __init__(self, every_rounds: int, share: float = 0.5):
+        self.every_rounds, self.share = every_rounds, share
+        self.due: float | None = None  # when the heartbeat reads (time.monotonic), None: no read due
+        self._ended: float | None = None  # when our last round ended
+
+    def round_ended(self, outer_round: int) -> None:
+        """Our round `outer_round` ended (now): a read is due if the next round is a rotation round."""
+        now, ended = time.monotonic(), self._ended
+        self._ended = now
+        if self.every_rounds > 0 and (outer_round + 1) % self.every_rounds == 0 and ended is not None:
+            self.due = now + self.share * (now - ended)
+
+    def until(self, next_beat: float) -> float:
+        """When the heartbeat wakes next without being woken: its beat, or a read due before it."""
+        return next_beat if self.due is None else min(next_beat, self.due)
+
+    def take(self) -> bool:
+        """Whether the read is due now (the heartbeat then makes it); a beat's own read takes it too."""
+        if self.due is None or time.monotonic() < self.due:
+            return False
+        self.due = None
+        return True
+
+
 def _as_of(claims: Claims, round_index: int) -> Claims:
     """`claims` with the path steps of each one of round `round_index` or later less those of its own
-    round: as of the round before (exact for a claim of `round_index`)."""
+    round: as of the round before (exact for a claim of `round_index`). A claim of the round on a path
+    it trained no step of in that round was made by a peer that moved at the round's end: it is read on
+    the path it trained. A peer that read the mover's new claim before planning saw the mover's old
+    path uncovered and moved there too, a second move in one round (the goodput rotation arm, session
+    51: two moves of 0.2 s each, then a round waiting for the new holders' hellos)."""
     out = dict(claims)
     for pid, c in claims.items():
         if c.outer_round >= round_index and c.round_steps:
             steps = {k: n - c.round_steps.get(k, 0) for k, n in c.path_steps.items()}
-            out[pid] = c.model_copy(update={"path_steps": {k: n for k, n in steps.items() if n > 0}})
+            update: dict = {"path_steps": {k: n for k, n in steps.items() if n > 0}}
+            if str(c.path) not in c.round_steps:
+                update["path"] = int(max(c.round_steps, key=lambda k: (c.round_steps[k], k)))
+            out[pid] = c.model_copy(update=update)
     return out
 
 

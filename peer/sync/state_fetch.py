@@ -102,12 +102,20 @@ async def fetch_striped(
     target: list[int] | None = None
     remaining = len(todo)
     contributors: list[str] = []
+    # set when a piece is handed back or the last one is in: an idle worker waits for that, not on a
+    # timer (a 50 ms poll made every one-piece download of a mover's module 25–40 ms longer, session 51)
+    changed = asyncio.Event()
+
+    def hand_back(piece: tuple[int, int]) -> None:
+        todo.append(piece)
+        changed.set()
 
     async def worker(donor: str) -> None:
         nonlocal target, remaining
         while remaining > 0:
             if not todo:
-                await asyncio.sleep(0.05)  # pieces in flight elsewhere may come back
+                changed.clear()
+                await changed.wait()  # pieces in flight elsewhere may come back
                 continue
             start, stop = todo.pop(0)
             try:
@@ -115,20 +123,22 @@ async def fetch_striped(
                     service, donor, module, numels, start, stop, timeout, target
                 )
             except Exception as e:
-                todo.append((start, stop))
+                hand_back((start, stop))
                 logger.info(f"{module}: {donor} stopped serving pieces: {type(e).__name__}: {e}")
                 return
             if target is None and donor not in setters:  # a stranger's rounds are not the target
-                todo.append((start, stop))
+                hand_back((start, stop))
                 await asyncio.sleep(0.05)
                 continue
             if target is None:
                 target = rounds
             elif rounds != target:  # asked before the target was known, and at another state
-                todo.append((start, stop))
+                hand_back((start, stop))
                 continue
             out[start:stop] = numbers
             remaining -= 1
+            if remaining == 0:
+                changed.set()
             if donor not in contributors:
                 contributors.append(donor)
 

@@ -40,7 +40,8 @@ from peer.run.admission import run_validator
 from peer.run.rebuild import check_tokenizer
 from peer.swarm.admission import obtain_admission
 from peer.swarm.authority import AdmissionAuthority, serve_if_creator
-from peer.swarm.membership import Membership, Progress
+from peer.swarm.membership import Membership
+from peer.swarm.progress import Progress
 from peer.swarm.reachability import DialBackService, Reachability, helpers_from
 from peer.swarm.rotation import Rotation
 from peer.sync.outer import FragmentDone
@@ -69,8 +70,7 @@ class Peer:
         self.serve_limits = ServeLimits(config.serve_limits())  # states, copies and artifacts, together
         # made by start(), in this order; close() shuts down whatever start() got to
         self.device: torch.device | None = None
-        self.dht = self.key = None
-        self.peer_id = ""
+        self.dht, self.key, self.peer_id = None, None, ""
         self.dialback: DialBackService | None = None
         self.reachability: Reachability | None = None
         self.manifest: RunManifest | None = None
