@@ -14,7 +14,14 @@ from peer.model.grid import ModelConfig
 from peer.offline.grid_checkpoints import PeerCheckpoint, path_steps
 from peer.run.admission import AdmissionCheck, sign_admission
 from peer.swarm.claims import steering_claims
-from peer.swarm.rotation import claimed_path_steps, live_claims, plan_rotation, round_view, swarm_path_steps
+from peer.swarm.rotation import (
+    RotationRead,
+    claimed_path_steps,
+    live_claims,
+    plan_rotation,
+    round_view,
+    swarm_path_steps,
+)
 from peer.sync.standing import Standing
 
 GRID = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=64, n_levels=2, modules_per_level=2)
@@ -278,3 +285,18 @@ def test_free_keys_claiming_paths_hold_no_path_unless_they_took_part_in_our_late
     unadmitted = {p: c.model_copy(update={"admission": ""}) for p, c in claims.items()}
     everyone = set(steering_claims(unadmitted, standing))
     assert plan_rotation(GRID, unadmitted, 4, 2, counted=everyone, took_part=took_part) is None
+
+
+def test_the_heartbeat_reads_again_only_in_the_round_before_a_rotation_round_that_can_move_anyone():
+    read = RotationRead(every_rounds=4, share=0.5)
+    read.round_ended(1)
+    read.round_ended(2)  # round 3 is no rotation round
+    assert read.due is None and not read.take()
+    read.round_ended(3, possible=False)  # every path held: round 4 moves nobody
+    assert read.due is None
+    read.round_ended(7)
+    assert read.due is not None and read.until(read.due + 60.0) == read.due
+    assert read.until(read.due - 1.0) == read.due - 1.0  # a beat before it comes first
+    read.due -= 1.0  # it is due now
+    assert read.take() and read.due is None and not read.take()
+    assert RotationRead(every_rounds=0).until(5.0) == 5.0

@@ -208,7 +208,10 @@ class Membership:
         if self._heartbeat is None or not self._heartbeat.is_alive():
             self.publish_claim()
         else:
-            self._rotation_read.round_ended(self.progress().outer_round)
+            # a read for the next round's rotation, where one is possible (a path nobody holds)
+            self._rotation_read.round_ended(
+                self.progress().outer_round, self.path is not None and self._uncovered()
+            )
             self._wake.set()
 
     def probe(self, cycle: int) -> None:
@@ -293,17 +296,20 @@ class Membership:
         read unless that view says a rotation is possible at all (a rotation round, a path nobody holds)."""
         every, cfg = self.config.rotate_every_rounds, self.manifest.model
         me, standing = self.peer_id, self.standing
-        if not every or round_index % every or cfg.n_paths < 2:
-            return None
         took_part = None if took_part is None else took_part | {me}
-        live = live_claims(self.claims, set(steering_claims(self.claims, standing, me)), took_part)
-        if len({c.path for c in live.values()} | {path_index(cfg, self.path)}) >= cfg.n_paths:
+        if not every or round_index % every or cfg.n_paths < 2 or not self._uncovered(took_part):
             return None
         own, wait, h = self.claim_record(), self.config.heartbeat_seconds, self.manifest.sync.inner_steps
         claims, steering = round_view(lambda: dict(self.read_claims()) | {me: own},
                                       lambda c: steering_claims(c, standing, me), round_index, wait,
                                       self._stop, in_hand=dict(self.claims) | {me: own})  # fmt: skip
         return plan_rotation(cfg, claims, round_index, every, h, h, set(steering), took_part)
+
+    def _uncovered(self, took_part: frozenset[str] | None = None) -> bool:
+        """Whether the claim view in hand has a path that no live peer holds (`live_claims`)."""
+        counted = set(steering_claims(self.claims, self.standing, self.peer_id))
+        paths = {c.path for c in live_claims(self.claims, counted, took_part).values()}
+        return len(paths | {path_index(self.manifest.model, self.path)}) < self.manifest.model.n_paths
 
     def move_to(self, path: Path) -> None:
         """Claims `path` instead of ours, not ready (holders do not wait for us) until `start_path`. Not
