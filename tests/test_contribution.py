@@ -24,7 +24,7 @@ from monitoring.swarm.view import build_view, select_claims
 from peer.model.grid import ModelConfig
 from peer.run.admission import AdmissionCheck, sign_admission
 from peer.run.contribution import check_contribution, sign_contribution
-from peer.sync.outer import FragmentDone
+from peer.sync.pending import FragmentDone
 from peer.sync.rounds import RoundResult
 from peer.training.contribution import ContributionLedger, modules_held
 

@@ -19,7 +19,8 @@ from peer.model.transformer import PathModel
 from peer.sync.module_sync import ModuleSync
 from peer.sync.outer import StreamingOuter
 from peer.sync.path_sync import PathSync
-from tests.sync_members import MODULE, advance, sync_group
+from peer.sync.sent_rounds import SentRounds
+from tests.sync_members import MODULE, RUN_ID, advance, sync_group
 
 pytestmark = pytest.mark.swarm
 
@@ -63,11 +64,12 @@ class Holder:
 
 
 @contextmanager
-def _pair(dht_factory, tau: int, alpha: float, seed: int) -> Iterator[list[Holder]]:
-    """Two holders of one module, each with a real DHT node, sync service and round runner."""
+def _pair(dht_factory, tau: int, alpha: float, seed: int, sent: dict | None = None) -> Iterator[list[Holder]]:
+    """Two holders of one module, each with a real DHT node, sync service and round runner (`sent`:
+    a member's record of rounds sent, as a restarted peer reads it)."""
     module = PathModel(CFG, (0, 0), seed=5).parts[MODULE]
     numel = ModuleSync(CFG, MODULE, module, OuterOptimizerConfig(), 1).fragment_size(0)
-    with sync_group(dht_factory, 2, numel) as members:
+    with sync_group(dht_factory, 2, numel, sent=sent) as members:
         holders = {MODULE: [m.peer_id for m in members]}
         loops, syncs = _loops(members, tau, alpha)
         gen = torch.Generator().manual_seed(seed)
@@ -151,3 +153,29 @@ def test_a_peer_that_moves_to_another_path_keeps_the_overlap_its_syncs_raised(dh
         assert fresh.outer.overlap.tau == 1  # a peer's first path: the manifest's τ
     finally:
         old.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_round_sat_out_past_the_hold_is_split_off_and_the_schedule_goes_on_without_it(
+    dht_factory, tmp_path
+):
+    """A restarted member sits out a round its earlier life sent (peer/sync/sitting_out.py) until its
+    partner is past it: seconds, while the partner restarts too. Held with the rest of the fragment,
+    it kept the member's other modules from sending their next parts, their members waited the
+    straggler bound for it, and a partner waiting on those could not get past the round (the goodput
+    churn arm's double kills: every peer 5–6 s, and a split trunk round). Past the hold the sit-out
+    goes on by itself: the schedule moves, no round of that module starts until it ended, and it is
+    applied as a late sync of the fragment, not a round of the peer's."""
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)
+    with _pair(dht_factory, TAU, 0.5, seed=6, sent={0: SentRounds(tmp_path, RUN_ID)}) as (restarted, partner):
+        # the partner never trains: it answers it is starting, so the sit-out waits for it
+        for _ in range(H + TAU + H):  # the round, its τ, and H/P held steps: the hold is over
+            restarted.step()
+        [sitting] = restarted.loop.pending
+        assert sitting.detached and not sitting.finished() and list(sitting.futures) == [MODULE]
+        assert restarted.loop.runner.sitting_out.sitting((MODULE, 0, 0))
+        clock = restarted.loop.clock
+        for _ in range(H):  # the schedule goes on, and starts no round of the module sat out
+            restarted.step()
+        assert restarted.loop.clock == clock + H
+        assert restarted.loop.pending == [sitting] and restarted.ms.fragment_rounds == [0]

@@ -14,7 +14,7 @@ from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel
 from peer.sync.agreement import LEFT
 from peer.sync.module_sync import ModuleSync
-from peer.sync.outer import FragmentDone
+from peer.sync.pending import FragmentDone
 from peer.sync.rounds import RoundResult
 from peer.sync.settling import SETTLING_ROUNDS, merge_note, settle, went_on_without_us
 from peer.training.history import LOOP_PARTS, RoundHistory

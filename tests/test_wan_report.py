@@ -181,7 +181,7 @@ def test_hivemind_phases_are_timed_per_epoch(tmp_path):
 def test_a_rounds_history_keeps_each_syncs_seconds():
     import torch
 
-    from peer.sync.outer import FragmentDone
+    from peer.sync.pending import FragmentDone
     from peer.sync.rounds import RoundResult
     from peer.training.history import RoundHistory
 

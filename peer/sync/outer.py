@@ -25,19 +25,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from dht.background_loop import wait_until
 from monitoring.metrics import PeerMetrics
 from peer.codecs.formats import make_codec
 from peer.config import RunManifest, SyncConfig
 from peer.faults import fault_point
+from peer.model.grid import TRUNK
 from peer.sync.dial_budget import DialBudget
 from peer.sync.fragments import fragments_due, next_due, sync_offsets
 from peer.sync.hello import Greeting
 from peer.sync.merge import ReportedCopies
 from peer.sync.module_sync import ModuleSync, PreparedStep
 from peer.sync.overlap import OverlapTuner
+from peer.sync.pending import PendingSync, SyncTotals
 from peer.sync.rounds import RoundResult, RoundRunner
 
 logger = logging.getLogger(__name__)
@@ -58,31 +59,6 @@ def sync_clock(n_syncs: int, inner_steps: int, n_fragments: int) -> int:
 STOPPED = "stopped"
 #: how long a peer told to leave still waits for the results of its rounds in flight
 LEAVING_WAIT_SECONDS = 3.0
-
-
-@dataclass
-class PendingSync:
-    """A fragment sync in flight: started after one step, applied at `due_step`."""
-
-    fragment: int
-    due_step: int
-    weight: float
-    futures: dict[str, object] = field(default_factory=dict)
-    #: each module's own Δ at the start (error feedback added in), which it applies if its round failed
-    deltas: dict[str, object] = field(default_factory=dict)
-    #: each module's state epoch at the start: a round started before a download does not apply
-    epochs: dict[str, int] = field(default_factory=dict)
-    #: each module's digest of the copy it reported at the start
-    digests: dict[str, str] = field(default_factory=dict)
-    results: dict[str, RoundResult] = field(default_factory=dict)
-    #: each module's outer step, computed off the training thread as soon as its round ended
-    prepared: dict[str, Future] = field(default_factory=dict)
-    #: when the loop reached `due_step` with the round still running and trained on (`StreamingOuter.due`)
-    held_since: float | None = None
-    held_steps: int = 0
-
-    def finished(self) -> bool:
-        return all(f.done() for f in self.futures.values())
 
 
 #: holders without standing that offered us no part lately which one round of a module tries at most
@@ -110,41 +86,6 @@ def heard_within(sync: SyncConfig) -> float:
 #: has a fixed budget (an accelerator's host thread, the WAN lab's quota) this work is overlapped
 #: with inner steps like the round's communication is.
 _STEP_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-step")
-
-
-@dataclass
-class FragmentDone:
-    """One fragment's sync, finished and applied for every module of the path."""
-
-    fragment: int
-    step: int
-    results: dict[str, RoundResult]
-    #: τ in effect when it was applied (raised from the manifest's when syncs outlast it)
-    overlap_steps: int = 0
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self.results.values())
-
-    def summary(self) -> dict[str, str]:
-        return {mid: f"{r.outcome}/{r.group_size}" for mid, r in self.results.items()}
-
-
-@dataclass
-class SyncTotals:
-    """Counts since this peer started: module syncs by outcome, rejected parts by reason, bytes."""
-
-    outcomes: dict[str, int] = field(default_factory=dict)
-    bad_parts: dict[str, int] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    def add(self, r: RoundResult) -> None:
-        self.outcomes[r.outcome] = self.outcomes.get(r.outcome, 0) + 1
-        for reason, count in r.bad_parts.items():
-            self.bad_parts[reason] = self.bad_parts.get(reason, 0) + count
-        self.bytes_sent += r.bytes_sent
-        self.bytes_received += r.bytes_received
 
 
 class StreamingOuter:
@@ -212,7 +153,7 @@ class StreamingOuter:
         self.overlap.step_ended()
         if self.runner is not None and not self.runner.service.training.is_set():
             self.runner.service.training.set()  # in the rounds from the first step on
-        if any(p.held_since is not None for p in self.pending):
+        if any(p.held_since is not None and not p.detached for p in self.pending):
             return []  # a round past its due step is still running: the schedule waits, training not
         self.clock += 1
         if self.joining:
@@ -281,19 +222,54 @@ class StreamingOuter:
         extra steps: both wait."""
         holds = self.sync.overlap_steps > 0 and self.sync.mixing_alpha > 0
         most = self.inner_steps // self.sync.fragments
-        now, done = time.monotonic(), []
+        now, done, split = time.monotonic(), [], []
         for p in self.pending:
             if p.due_step > self.clock:
+                continue
+            if p.detached:  # applied when it ends, or at the averaging timeout as a failed round
+                if p.finished() or now - p.held_since >= self.sync.averaging_timeout_seconds:
+                    done.append(p)
                 continue
             if holds and not p.finished():
                 p.held_since = now if p.held_since is None else p.held_since
                 p.held_steps += 1
                 if p.held_steps <= most and now - p.held_since < self.sync.averaging_timeout_seconds:
                     continue
+                split += [rest] if (rest := self._detach_sit_outs(p)) is not None else []
             done.append(p)
-        self.pending = [p for p in self.pending if p not in done]
+        self.pending = [p for p in self.pending if p not in done] + split
         self.overlap.step_started()
         return done
+
+    def _detach_sit_outs(self, pending: PendingSync) -> PendingSync | None:
+        """Splits the rounds we sit out (`SittingOut`) that are still running off a held `pending`,
+        as a sync of their own (None: none). A sit-out waits until its partners are past the round,
+        seconds after a restart; held with it, our other modules sent no part of their next rounds,
+        so their members waited the straggler bound for us, and a partner whose own fragment waited
+        on those rounds could not get past the round we sat out (the goodput churn arm's double
+        kills, session 51: every peer 5–6 s, twice a run, and a split trunk round). The modules we
+        sit out start no round until theirs ended (`_start`); the state they then take catches them up."""
+        if self.runner is None:
+            return None
+        fragment, sitting_out = pending.fragment, self.runner.sitting_out
+        sitting = [
+            mid
+            for mid, future in pending.futures.items()
+            # not the trunk: its rounds are the peer's clock (every holder is in them, one gets past)
+            if mid != TRUNK
+            and not future.done()
+            and sitting_out.sitting((mid, fragment, self.syncs[mid].fragment_rounds[fragment]))
+        ]
+        if not sitting:
+            return None
+        rest = PendingSync(pending.fragment, pending.due_step, pending.weight, held_since=pending.held_since,
+                           held_steps=pending.held_steps, detached=True)  # fmt: skip
+        for mid in sitting:
+            for field in ("futures", "deltas", "epochs", "digests", "prepared"):
+                if mid in (kept := getattr(pending, field)):
+                    getattr(rest, field)[mid] = kept.pop(mid)
+        logger.info(f"fragment {pending.fragment}: {', '.join(sitting)} sit a round out; the others go on")
+        return rest
 
     def drain(self) -> list[PendingSync]:
         """Every sync still in flight (before a checkpoint or leaving)."""
@@ -331,8 +307,9 @@ class StreamingOuter:
         pending = PendingSync(fragment, self.clock + self.overlap.tau, float(weight))
         fault_point("outer.before_allreduce")
         started = []
+        sitting = {mid for p in self.pending if p.detached for mid in p.futures}
         for mid, ms in self.syncs.items():
-            if ms.fragment_size(fragment) == 0:
+            if ms.fragment_size(fragment) == 0 or mid in sitting:
                 continue
             delta = ms.corrected_outer_gradient(fragment, self.codec, self.sync.error_feedback_decay)
             members = self.members_of(mid, holders)
@@ -392,7 +369,7 @@ class StreamingOuter:
             except Exception as e:
                 detail = f"{type(e).__name__}: {e}"
                 pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
-        if pending.futures:
+        if pending.futures and not pending.detached:  # a sit-out's wait is not the link's
             self.overlap.sync_waited(time.monotonic() - waiting_since)
         fault_point("outer.after_allreduce")
         return pending.results

@@ -7,9 +7,8 @@ confirm. It catches up from the holders that are ahead — downloading a module'
 them and loading it only once a holder with standing confirms its digest — repairs a copy that a
 round's voters show to differ from their majority, merges copies that have none, and keeps the sync
 state a checkpoint holds (every fragment's round, since fragments of a module sync at different
-steps). The training loop calls only this class (`after_step`, `drain`), which drives the outer loop
-and deals with what each round's result asks for.
-"""
+steps). The training loop calls only this class (`after_step`, `drain`), which drives the outer
+loop and deals with what each round's result asks for."""
 
 from __future__ import annotations
 
@@ -36,7 +35,8 @@ from peer.sync.hello import ClaimRefresh, Greeting, install_hello_handler
 from peer.sync.inbox import HOSTILE_REASONS, Inbox
 from peer.sync.merge import ReportedCopies, install_copy_handler, merged_copy
 from peer.sync.module_sync import ModuleSync, StateRejected
-from peer.sync.outer import FragmentDone, GroupOf, PendingSync, StreamingOuter, SyncTotals, heard_within
+from peer.sync.outer import GroupOf, StreamingOuter, heard_within
+from peer.sync.pending import FragmentDone, PendingSync, SyncTotals
 from peer.sync.rounds import LEFT, RoundResult, RoundRunner, RoundSettings
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
@@ -231,7 +231,7 @@ class PathSync:
             if self._strays.strayed(mid, fragment, r.lagging):
                 logger.warning(f"{mid}: our rounds ran away from {len(r.lagging)} holders'; taking theirs")
                 self._behind(ms, r.lagging, confirmed_only=True)
-        return FragmentDone(fragment, step, pending.results, self.outer.overlap.tau)
+        return FragmentDone(fragment, step, pending.results, self.outer.overlap.tau, late=pending.detached)
 
     def _applied(self, ms: ModuleSync, fragment: int, result: RoundResult) -> None:
         self._track(ms)

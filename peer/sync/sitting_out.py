@@ -69,6 +69,11 @@ class SittingOut:
         we were starting (`SyncService.left_out`: we send nothing for it, as if sent)."""
         return self.sent.sent_already(*key) or key in self.service.left_out
 
+    def sitting(self, key: Key) -> bool:
+        """Whether we sat round `key` out in this life (still, if its round has not ended): from any
+        thread, as the outer loop asks whether a held round is a sit-out."""
+        return key in self._sat_out
+
     async def sit(self, key: Key, others: list[str]) -> tuple[str, list[str]]:
         """("behind", whom to take the state from) (we waited until the others were past the round),
         "alone" (we sat it out once already and nobody got past it: go on alone, sending nothing) or

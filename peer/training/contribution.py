@@ -21,7 +21,7 @@ from dht.schema import MAX_CONTRIBUTION_PARTNERS, ContributionRecord
 from peer.config import RunManifest
 from peer.model.grid import ModelConfig, path_from_index, path_module_ids
 from peer.swarm.contribution import ContributionPublisher
-from peer.sync.outer import FragmentDone
+from peer.sync.pending import FragmentDone
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from peer.sync.outer import FragmentDone
+from peer.sync.pending import FragmentDone
 
 #: the parts of the training loop, in the order they run: making the batch, the inner step, the loop's
 #: own bookkeeping (metrics, the holders' view), syncs and round ends, a rotation, the wait that
@@ -105,7 +105,7 @@ class RoundHistory:
         ran = [r.seconds for r in done.results.values() if r.outcome != "alone"]
         if ran:
             self._sync_seconds.append(max(ran))
-        self._fragments[str(done.fragment)] = done.summary()
+        self._fragments.setdefault(str(done.fragment), {}).update(done.summary())  # a late sit-out joins it
 
     def end_round(self, round_index: int, step: int, tokens_total: int, done: FragmentDone) -> dict:
         entry = dict(

@@ -44,8 +44,8 @@ from peer.swarm.membership import Membership
 from peer.swarm.progress import Progress
 from peer.swarm.reachability import DialBackService, Reachability, helpers_from
 from peer.swarm.rotation import Rotation
-from peer.sync.outer import FragmentDone
 from peer.sync.path_sync import PathSync
+from peer.sync.pending import FragmentDone
 from peer.sync.service import SyncService
 from peer.training.checkpoints import Counters, PeerCheckpoints
 from peer.training.contribution import ContributionLedger
@@ -295,7 +295,7 @@ class Peer:
         for mid in done.results:
             self.metrics.set_holders(mid, len(set(holders.get(mid, [])) | {self.peer_id}))
         self.history.add_sync(done)
-        if done.fragment != 0:
+        if done.fragment != 0 or done.late:
             return
         self.contribution.end_round(done, self.peer_id)
         # Fragment 0 syncs at H, 2H, ...: one outer round per H inner steps. The trunk is on every path,
