@@ -173,9 +173,23 @@ def test_a_round_sat_out_past_the_hold_is_split_off_and_the_schedule_goes_on_wit
             restarted.step()
         [sitting] = restarted.loop.pending
         assert sitting.detached and not sitting.finished() and list(sitting.futures) == [MODULE]
-        assert restarted.loop.runner.sitting_out.sitting((MODULE, 0, 0))
+        assert restarted.loop.runner.sitting_out.after_restart((MODULE, 0, 0))
         clock = restarted.loop.clock
         for _ in range(H):  # the schedule goes on, and starts no round of the module sat out
             restarted.step()
         assert restarted.loop.clock == clock + H
         assert restarted.loop.pending == [sitting] and restarted.ms.fragment_rounds == [0]
+
+
+@pytest.mark.timeout(60)
+def test_only_rounds_an_earlier_life_sent_count_as_sat_out_after_a_restart(tmp_path):
+    """Within one life a mover's download can set a module back to a round it sent: its partner trains
+    on and waits for its next parts, which a split-off module would skip (the goodput rotation arm,
+    session 51: its partner waited the straggler bound three rounds). Only rounds an earlier life
+    sent go on by themselves."""
+    SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 3)  # an earlier life
+    sent = SentRounds(tmp_path, RUN_ID)
+    sent.record(MODULE, 0, 5)  # this one
+    assert sent.sent_already(MODULE, 0, 5) and sent.sent_already(MODULE, 0, 3)
+    assert sent.by_earlier_life(MODULE, 0, 3) and not sent.by_earlier_life(MODULE, 0, 4)
+    assert not SentRounds(tmp_path, "another run").by_earlier_life(MODULE, 0, 0)

@@ -242,13 +242,14 @@ class StreamingOuter:
         return done
 
     def _detach_sit_outs(self, pending: PendingSync) -> PendingSync | None:
-        """Splits the rounds we sit out (`SittingOut`) that are still running off a held `pending`,
-        as a sync of their own (None: none). A sit-out waits until its partners are past the round,
-        seconds after a restart; held with it, our other modules sent no part of their next rounds,
-        so their members waited the straggler bound for us, and a partner whose own fragment waited
-        on those rounds could not get past the round we sat out (the goodput churn arm's double
-        kills, session 51: every peer 5–6 s, twice a run, and a split trunk round). The modules we
-        sit out start no round until theirs ended (`_start`); the state they then take catches them up."""
+        """Splits the rounds we sit out after a restart (`SittingOut.after_restart`) that are still
+        running off a held `pending`, as a sync of their own (None: none). A sit-out waits until its
+        partners are past the round, seconds where they restarted too; held with it, our other
+        modules sent no part of their next rounds, so their members waited the straggler bound for
+        us, and a partner whose own fragment waited on those rounds could not get past the round we
+        sat out (the goodput churn arm's double kills, session 51: every peer 5–6 s, twice a run,
+        and a split trunk round). The modules we sit out start no round until theirs ended
+        (`_start`); the state they then take catches them up."""
         if self.runner is None:
             return None
         fragment, sitting_out = pending.fragment, self.runner.sitting_out
@@ -258,7 +259,7 @@ class StreamingOuter:
             # not the trunk: its rounds are the peer's clock (every holder is in them, one gets past)
             if mid != TRUNK
             and not future.done()
-            and sitting_out.sitting((mid, fragment, self.syncs[mid].fragment_rounds[fragment]))
+            and sitting_out.after_restart((mid, fragment, self.syncs[mid].fragment_rounds[fragment]))
         ]
         if not sitting:
             return None

@@ -37,6 +37,8 @@ class SentRounds:
         self.run_id = run_id
         #: this life's rounds and what earlier lives left on disk: none of them is sent again
         self._sent: dict[str, int] = self._read() if self.path is not None else {}
+        #: what earlier lives left on disk (`by_earlier_life`)
+        self._earlier = dict(self._sent)
         self._lock = threading.Lock()
 
     def _read(self) -> dict[str, int]:
@@ -67,6 +69,10 @@ class SentRounds:
         a later one): a part and report for it would be a second one."""
         with self._lock:
             return self._sent.get(self._name(module, fragment), -1) >= round_index
+
+    def by_earlier_life(self, module: str, fragment: int, round_index: int) -> bool:
+        """Whether an earlier life of this peer sent its part for this round (or a later one)."""
+        return self._earlier.get(self._name(module, fragment), -1) >= round_index
 
     def record(self, module: str, fragment: int, round_index: int) -> None:
         """Notes that our part for this round is about to leave; on disk before this returns."""

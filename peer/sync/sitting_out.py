@@ -69,10 +69,13 @@ class SittingOut:
         we were starting (`SyncService.left_out`: we send nothing for it, as if sent)."""
         return self.sent.sent_already(*key) or key in self.service.left_out
 
-    def sitting(self, key: Key) -> bool:
-        """Whether we sat round `key` out in this life (still, if its round has not ended): from any
-        thread, as the outer loop asks whether a held round is a sit-out."""
-        return key in self._sat_out
+    def after_restart(self, key: Key) -> bool:
+        """Whether we sit round `key` out (still, if its round has not ended) because an earlier life
+        sent it: from any thread, as the outer loop asks whether a held round may go on by itself
+        (`StreamingOuter._detach_sit_outs`). Not one that a download in this life set us back to: a
+        mover's, whose partner trains on and waits for its next parts, which a detached module skips
+        (the goodput rotation arm, session 51: its partner waited the straggler bound three rounds)."""
+        return key in self._sat_out and self.sent.by_earlier_life(*key)
 
     async def sit(self, key: Key, others: list[str]) -> tuple[str, list[str]]:
         """("behind", whom to take the state from) (we waited until the others were past the round),
