@@ -413,6 +413,8 @@ def write_outputs(out: Path, report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (a timeout, ^C's cousin) unwinds the arms' swarms: killed outright, their peers trained on
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = dict(
