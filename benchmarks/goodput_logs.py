@@ -4,6 +4,7 @@ CPU), apart from the arms that run them."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 #: what a member logs when the digests in a round's reports show its copy split from the group's:
@@ -41,22 +42,24 @@ def _moves(logs: Path) -> list[tuple[int, int, str]]:
     return moves
 
 
+def _movers_beyond_one(logs: Path, by: Callable[[tuple[int, int, str]], object]) -> int:
+    """Moves beyond the first of each group of moves, the moves grouped `by` (round, target path, peer)."""
+    movers: dict[object, set[str]] = {}
+    for move in _moves(logs):
+        movers.setdefault(by(move), set()).add(move[2])
+    return sum(len(peers) - 1 for peers in movers.values())
+
+
 def count_double_moves(logs: Path) -> int:
     """Moves onto a path that another peer moved onto at the same round's end: peers whose views of the
     claims gave different plans (every peer should compute the same one, with one mover per target)."""
-    movers: dict[tuple[int, int], set[str]] = {}
-    for round_index, target, peer in _moves(logs):
-        movers.setdefault((round_index, target), set()).add(peer)
-    return sum(len(peers) - 1 for peers in movers.values())
+    return _movers_beyond_one(logs, lambda move: move[:2])
 
 
 def count_extra_moves(logs: Path) -> int:
     """Moves beyond the first at one round's end, onto any path: the rotation moves one peer a round, so
     a second mover planned on a view that differed (one that saw the first mover's new claim, session 51)."""
-    movers: dict[int, set[str]] = {}
-    for round_index, _, peer in _moves(logs):
-        movers.setdefault(round_index, set()).add(peer)
-    return sum(len(peers) - 1 for peers in movers.values())
+    return _movers_beyond_one(logs, lambda move: move[0])
 
 
 def cpu_seconds() -> tuple[float, float]:

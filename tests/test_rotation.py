@@ -292,7 +292,8 @@ def test_the_heartbeat_reads_again_only_in_the_round_before_a_rotation_round_tha
     read.round_ended(1)
     read.round_ended(2)  # round 3 is no rotation round
     assert read.due is None and not read.take()
-    read.round_ended(3, possible=False)  # every path held: round 4 moves nobody
+    read.round_ended(2, possible=lambda: pytest.fail("asked outside the round before a rotation"))
+    read.round_ended(3, possible=lambda: False)  # every path held: round 4 moves nobody
     assert read.due is None
     read.round_ended(7)
     assert read.due is not None and read.until(read.due + 60.0) == read.due

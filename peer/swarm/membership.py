@@ -210,7 +210,7 @@ class Membership:
         else:
             # a read for the next round's rotation, where one is possible (a path nobody holds)
             self._rotation_read.round_ended(
-                self.progress().outer_round, self.path is not None and self._uncovered()
+                self.progress().outer_round, lambda: self.path is not None and self._uncovered()
             )
             self._wake.set()
 

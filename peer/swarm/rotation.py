@@ -87,13 +87,14 @@ class RotationRead:
         self.due: float | None = None  # when the heartbeat reads (time.monotonic), None: no read due
         self._ended: float | None = None  # when our last round ended
 
-    def round_ended(self, outer_round: int, possible: bool = True) -> None:
+    def round_ended(self, outer_round: int, possible: Callable[[], bool] = lambda: True) -> None:
         """Our round `outer_round` ended (now): a read is due if the next round is a rotation round and
-        a rotation `possible` (the view in hand has a path nobody holds: with one peer a path, none)."""
+        a rotation `possible()` (the view in hand has a path nobody holds: with one peer a path, none),
+        asked only then (it looks at every claim in the view)."""
         now, ended = time.monotonic(), self._ended
         self._ended = now
         rotating = self.every_rounds > 0 and (outer_round + 1) % self.every_rounds == 0
-        if rotating and possible and ended is not None:
+        if rotating and ended is not None and possible():
             self.due = now + self.share * (now - ended)
 
     def until(self, next_beat: float) -> float:
