@@ -1,12 +1,14 @@
 """A peer that moved onto a module and loaded its state from a holder averages its next round of it
 with that holder, also in an open run where neither has standing (`Inbox.served_state`): before,
-the holder fell under the unproven holders' budget and both applied their own Δ (a split copy)."""
+the holder fell under the unproven holders' budget and both applied their own Δ (a split copy).
+And the holders a mover leaves do not wait for it, whichever of its BYE and its refusals comes first."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from monitoring.metrics import PeerMetrics
 from peer.config import OuterOptimizerConfig, RunManifest, SyncConfig
@@ -14,11 +16,13 @@ from peer.model.grid import TRUNK, ModelConfig
 from peer.model.transformer import PathModel
 from peer.sync.outer import heard_within
 from peer.sync.path_sync import PathSync
+from tests.sync_members import MODULE, sync_group
 
 pytestmark = pytest.mark.swarm
 
 CFG = ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=33, blocks_per_module=4)
 SYNC = SyncConfig(inner_steps=8, codec="fp32")
+NUMEL = 6077
 
 
 def start_syncs(dht_factory, seeds: tuple[int, ...], syncs: list[PathSync]) -> list[PathSync]:
@@ -114,3 +118,28 @@ def test_two_peers_moving_onto_a_module_at_once_both_load_its_holders_state_inst
     finally:
         for ps in syncs:
             ps.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_refuses_our_part_because_it_no_longer_holds_the_module_is_not_waited_for(dht_factory):
+    # a mover drops the module as our round starts and its BYE comes later (or never): its refusal
+    # ("not_held") says the same about itself; waiting for its part held its partner's round 5 s at a move
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) * 0.01 for i in range(3)]
+    with sync_group(dht_factory, 3, NUMEL, averaging_timeout=30.0) as members:
+        ids = [m.peer_id for m in members]
+
+        async def move_off() -> None:
+            members[2].service.inbox.hold({})
+
+        members[2].service.call(move_off(), 10)
+        started = time.monotonic()
+        futures = [
+            m.runner.start((MODULE, 0, 0), d, 1.0, ids, "0" * 64)
+            for m, d in zip(members[:2], deltas, strict=False)
+        ]
+        results = [f.result(timeout=40) for f in futures]
+        seconds = time.monotonic() - started
+    assert [r.outcome for r in results] == ["averaged", "averaged"]
+    assert all(r.dropped == {ids[2]: "left (its claim is gone)"} for r in results), results[0].dropped
+    assert torch.equal(results[0].delta, results[1].delta)
+    assert seconds < 5.0, seconds

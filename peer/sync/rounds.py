@@ -218,7 +218,6 @@ class RoundRunner:
         self.stragglers.check_ran_ahead(key, inbox.came_after.get(key[:2], {}))
         bound = self.stragglers.seconds()  # peer/sync/stragglers.py
         sends = [asyncio.create_task(self._send(m, frames, deadline, failed, key, took=took)) for m in others]
-
         round_failed, answered = failed, set()  # the call after the gather passes `failed` = {}
 
         def answer(slot, failed=failed, took=took) -> bool:
@@ -348,10 +347,8 @@ class RoundRunner:
         report=False,
         took: set | None = None,
     ) -> None:
-        """Delivers `frames` to `member` before `deadline`. A member that refuses because the round is
-        ahead of its own (it is behind us, fetching state) or because it does not know us as a holder
-        yet is offered the frames again until the deadline. One that refuses because the round is
-        over for it is ahead of us ("ahead"). `report`: our report (if lost, it is asked for)."""
+        """Delivers `frames` to `member` before `deadline`, again while it refuses as not yet ready for
+        them; `report`: our report (if lost, it is asked for)."""
         loop = asyncio.get_running_loop()
         while True:
             remaining = deadline - loop.time()
@@ -367,8 +364,11 @@ class RoundRunner:
                 if took is not None:
                     took.add(member)
                 break
-            # "ahead": the member is behind and catching up; "not_holder": its claim view has not seen
-            # our claim yet (it refreshes every heartbeat): both will take our Δ in a moment
+            if ack.reason.startswith("not_held"):  # it left the module, as its BYE (on its way) says
+                failed[member] = LEFT  # its word about itself; waited for, it held a mover's partner 5 s
+                break
+            # "ahead": it is behind, catching up; "not_holder": its claim view lacks our claim (renewed
+            # every heartbeat): both take our Δ in a moment. "stale": the round is over there (it is ahead)
             waiting = ack.reason.startswith(("ahead", "not_holder"))
             logger.debug(f"{key}: {member} refused our frames ({ack.reason}), retrying: {waiting}")
             if waiting and deadline - loop.time() > RETRY_SECONDS:
