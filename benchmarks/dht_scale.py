@@ -245,8 +245,10 @@ def run_size(
     steady_seconds: float = 60.0,
     departures: int = 2,
     hivemind_defaults: bool = False,
+    kill_watch_seconds: float | None = None,
 ) -> dict:
-    """One swarm of `n` nodes: convergence, a steady window, then departures; see the module docstring."""
+    """One swarm of `n` nodes: convergence, a steady window, then departures; see the module docstring.
+    `kill_watch_seconds`: stop watching the killed nodes' claims then (None: until their TTL ran out)."""
     work.mkdir(parents=True, exist_ok=True)
     with Swarm(n, work, heartbeat, hivemind_defaults) as swarm:
         all_started = swarm.start()
@@ -297,8 +299,12 @@ def run_size(
         def gone(group: list[int]) -> list[float | None]:
             return [_gone_after(swarm.events(r), swarm.ids[d], since) for d in group for r in remaining]
 
+        def over() -> bool:
+            watched = kill_watch_seconds is not None and time.time() - since > kill_watch_seconds
+            return all(v is not None for v in gone(leavers if watched else leavers + killed))
+
         _wait(
-            lambda: all(v is not None for v in gone(leavers + killed)),
+            over,
             deadline,
             "departed claims to vanish",
             fatal=False,
@@ -333,6 +339,8 @@ def run_size(
         visible_after_kill_seconds=[v for v in dead if v is not None],
         #: (departed, observer) pairs still seeing the claim when the wait ended
         still_visible_at_deadline=sum(v is None for v in left + dead),
+        #: (killed, observer) pairs still seeing the claim when the wait ended
+        killed_still_visible=sum(v is None for v in dead),
         claim_ttl_seconds=CLAIM_TTL_SECONDS,
         heartbeat_seconds=heartbeat,
     )

@@ -50,19 +50,19 @@ def test_a_module_is_orphaned_when_no_path_through_it_has_a_holder():
 
 @pytest.fixture(scope="module")
 def short_run() -> dict:
-    return simulate(200, 1.0, 7, GRID, replan_minutes=20.0, progress=False)
+    return simulate(100, 0.5, 7, GRID, replan_minutes=10.0, progress=False)
 
 
 def test_throughput_is_below_the_oracle_but_positive(short_run):
     assert short_run["lost_tokens"] > 0
     assert 0.0 < short_run["throughput_over_oracle"] < 1.0
     assert 0.0 < short_run["coverage_mean"] <= 1.0
-    assert short_run["replans"] == 4  # t = 0, then every 20 simulated minutes
+    assert short_run["replans"] == 4  # t = 0, then every 10 simulated minutes
 
 
 def test_the_same_seed_gives_the_same_swarm(short_run):
-    again = simulate(200, 1.0, 7, GRID, replan_minutes=20.0, progress=False)
+    again = simulate(100, 0.5, 7, GRID, replan_minutes=10.0, progress=False)
     for key in ("coverage_mean", "throughput_over_oracle", "modules_orphaned", "paths_orphaned", "series"):
         assert again[key] == short_run[key], key
-    other = simulate(200, 1.0, 8, GRID, replan_minutes=20.0, progress=False)
+    other = simulate(100, 0.5, 8, GRID, replan_minutes=10.0, progress=False)
     assert other["series"] != short_run["series"]
