@@ -23,7 +23,8 @@ SIGTERM: it checkpoints and leaves); every `--kill_every_seconds` a random peer 
 (tokens in the peers' final checkpoints per second of the window: a kill's restart, the steps since
 the last checkpoint and every wait it causes count against it), `eval_loss_ratio` (each peer's
 global copy of its final path on held-out documents, averaged: what the same volunteer-seconds
-bought), `rounds_split` (rounds whose reports' digests showed a member's copy differing from the
+bought; beside it the routed composite's, `composite_loss_ratio`: benchmarks/goodput_eval.py),
+`rounds_split` (rounds whose reports' digests showed a member's copy differing from the
 group's, repaired or merged: each such round once, however many members logged it) and
 `modules_reset` (a module started again from initial weights). A window, not a number of rounds per
 peer: with a fixed number of rounds each, the run lasted until the most-killed peer made up its
@@ -49,6 +50,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from benchmarks.goodput_eval import eval_composite, eval_paths  # noqa: E402
 from benchmarks.goodput_logs import (  # noqa: E402
     MOVE_MARK,
     count_double_moves,
@@ -57,22 +59,19 @@ from benchmarks.goodput_logs import (  # noqa: E402
     cpu_seconds,
 )
 from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
-from benchmarks.wan.report import load_weights  # noqa: E402
 from peer.artifacts.store import ArtifactStore  # noqa: E402
 from peer.checkpoint import load_latest_checkpoint  # noqa: E402
 from peer.cli.local_swarm import LOOPBACK, LocalSwarm  # noqa: E402
 from peer.config import InnerOptimizerConfig, RunManifest, SyncConfig  # noqa: E402
-from peer.data.sources import DatasetSpec, eval_documents  # noqa: E402
+from peer.data.sources import DatasetSpec  # noqa: E402
 from peer.model.grid import ModelConfig  # noqa: E402
-from peer.model.tokenizer import load_tokenizer  # noqa: E402
-from peer.model.transformer import PathModel  # noqa: E402
-from peer.offline.evaluation import evaluate  # noqa: E402
 from peer.run.create import build_manifest  # noqa: E402
 from peer.run.options import RunChoices  # noqa: E402
 from peer.run.routing_index import with_run_index  # noqa: E402
 from peer.swarm.base_model import ARTIFACTS_SUBDIR  # noqa: E402
 from peer.training.history import LOOP_PARTS  # noqa: E402
 
+NAN = float("nan")
 TARGETS = dict(train_fraction=0.9, monitor_error=0.15, tokens_ratio=0.85, eval_loss_ratio=1.05)
 
 
@@ -263,20 +262,6 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
     )
 
 
-def eval_paths(args: argparse.Namespace, manifest: RunManifest, folder: Path, names: list[str]) -> float:
-    """Mean held-out loss of each peer's global copy of its final path."""
-    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
-    tokenizer = load_tokenizer(manifest.tokenizer)
-    losses = []
-    for name in names:
-        tensors, meta = load_latest_checkpoint(folder / name)
-        model = PathModel(manifest.model, tuple(meta["path"]), seed=manifest.seed)
-        load_weights(model, tensors, "global")
-        result = evaluate(model, docs, tokenizer, context=manifest.seq_len)
-        losses.append(result.nll / result.tokens)
-    return statistics.fmean(losses)
-
-
 def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     names = [f"p{i}" for i in range(4)]
     manifest, run = make_run(args, "goodput-churn", args.churn_rounds, folder)
@@ -326,6 +311,7 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
         tokens_per_second=tokens / args.churn_seconds,
         own_rounds={n: int(m.get("own_rounds", 0)) for n, m in metas.items()},
         eval_loss=eval_paths(args, manifest, folder, names),
+        eval_composite=eval_composite(args, manifest, folder, names),
         rounds_split=count_splits(folder / "logs"),
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
         kills=kills,
@@ -357,6 +343,8 @@ def table(report: dict) -> str:
         rows += [
             f"| churn | tokens_ratio | {c['tokens_ratio']:.3f} | ≥ {TARGETS['tokens_ratio']} |",
             f"| churn | eval_loss_ratio | {c['eval_loss_ratio']:.3f} | ≤ {TARGETS['eval_loss_ratio']} |",
+            # .get: runs written before the composite was measured (session 52) have none
+            f"| churn | routed composite's loss ratio | {c.get('composite_loss_ratio', NAN):.3f} | |",
             f"| churn | rounds_split | {c['kill']['rounds_split']} | 0 |",
             f"| churn | modules_reset | {c['kill']['modules_reset']} | 0 |",
             f"| churn | kills (two at once) | {len(c['kill']['kills'])} ({c['kill']['double_kills']}) | ≥2 |",
@@ -439,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             **arms,
             tokens_ratio=arms["kill"]["tokens_per_second"] / clean_tps,
             eval_loss_ratio=arms["kill"]["eval_loss"] / clean_loss,
+            # beside it, not instead: the routed composite (benchmarks/goodput_eval.py)
+            composite_loss_ratio=arms["kill"]["eval_composite"]["loss"]
+            / statistics.fmean([arms[a]["eval_composite"]["loss"] for a in ("clean_start", "clean_end")]),
             rounds_split=arms["kill"]["rounds_split"],
             modules_reset=arms["kill"]["modules_reset"],
         )
