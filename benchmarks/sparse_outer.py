@@ -71,6 +71,26 @@ RUNS: dict[str, dict] = {
     "diloco_dense_2bit": dict(
         codec="dense2bit", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
     ),
+    # MuLoCo's 2-bit runs leave embeddings and norms unquantized: here the trunk (tied embedding and
+    # head, positions, final norm: a tenth of the values) goes in 4 bits, the blocks in 2
+    "diloco_dense_2bit_trunk4": dict(
+        codec="dense2bit",
+        trunk_codec="nf4",
+        **DILOCO_SCHEDULE,
+        lr=0.7,
+        momentum=0.9,
+        tune=("lr", "momentum", "decay"),
+    ),
+    # the early rounds' large outer gradients in 4 bits, then 2 (the gap to fp32 is set by round 20-40)
+    "diloco_dense_2bit_warm10": dict(
+        codec="dense2bit",
+        warm_codec="nf4",
+        warm_rounds=10,
+        **DILOCO_SCHEDULE,
+        lr=0.7,
+        momentum=0.9,
+        tune=("lr", "momentum", "decay"),
+    ),
     "streaming_fp32": dict(codec="fp32", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
     # MuLoCo: Muon inside (the manifest's inner.muon); its 2-bit result is with Muon, so the pair runs
     # with its own fp32 reference and each reports its ratio to it beside the one to AdamW's DiLoCo

@@ -59,8 +59,10 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
 
     from benchmarks.wan import report
     from benchmarks.wan.driver import LabTraining
+    from peer.codecs.formats import make_codec
     from peer.config import OuterOptimizerConfig
     from peer.data.sources import eval_documents
+    from peer.model.grid import TRUNK
     from peer.model.transformer import PathModel
     from peer.offline.simulate import InnerLoop, document_batches
     from peer.sync.fragments import fragments_due
@@ -93,6 +95,15 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         for loop in loops
     ]
     codec = make_run_codec(run)
+    # MuLoCo keeps embeddings and norms out of its 2-bit code: a run may send the trunk (embeddings,
+    # head, final norm) in another codec
+    trunk_codec = make_codec(run["trunk_codec"]) if run.get("trunk_codec") else codec
+    # a precision warm-up: the first `warm_rounds` rounds in `warm_codec` (the early, large outer
+    # gradients), then the run's codec; every member knows the round, so sizes stay exact
+    warm_codec, warm_steps = (
+        make_codec(run.get("warm_codec") or "fp32"),
+        run.get("warm_rounds", 0) * args.inner_steps,
+    )
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
@@ -110,7 +121,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
             parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
             for mid, decoded in parts.items():
                 for s in syncs:
-                    payload, part = _send(s[mid], fragment, codec, decay)
+                    now = warm_codec if clock <= warm_steps else trunk_codec if mid == TRUNK else codec
+                    payload, part = _send(s[mid], fragment, now, decay)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))
