@@ -8,8 +8,9 @@ signed and kept per reporter, whoever relayed them (`peer.sync.reports`: two dif
 reporter are the evidence that it equivocated); the number of senders per round is capped; a
 payload is decoded and checked (finite, norm bound) before it counts. Messages are kept until their
 round is applied, and the parts of the last rounds a while longer, for members that missed one the
-group agreed on. A sender whose parts fail those checks BAN_AFTER_BAD_PARTS times, or that sent
-different reports, is refused outright for BAN_SECONDS; every round leaves it out.
+group agreed on. A sender whose parts fail those checks BAN_AFTER_BAD_PARTS times, or that is caught
+sending different reports, is refused outright for BAN_SECONDS: its headers, payloads and reports
+cost us nothing more, and every round leaves it out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from peer.sync.wire import DeltaHeader, Report
 
 logger = logging.getLogger(__name__)
 
-LOOKAHEAD_ROUNDS = 2  # rounds ahead of a fragment's current one buffered (a holder may run ahead)
+#: rounds ahead of a fragment's current round that are buffered (a holder may run ahead this far)
+LOOKAHEAD_ROUNDS = 2
 
 Key = tuple[str, int, int]  # (module, fragment, round)
 
@@ -94,7 +96,8 @@ class _Slot:
     #: senders whose header we accepted and whose payload is still coming: on its way, not late
     #: (`stragglers.py`: a slow link is not a silent member)
     incoming: set[str] = field(default_factory=set)
-    #: the senders of `deliveries`, replaced whole on each arrival (`Inbox.senders`, another thread)
+    #: the senders of `deliveries`, replaced whole on each arrival: the training thread reads it
+    #: (`Inbox.senders`) while the service's loop adds to the dictionary
     senders: frozenset[str] = frozenset()
 
 
@@ -295,15 +298,12 @@ class Inbox:
             raise Refused("not_held", f"we do not hold {module}")
         if not 0 <= fragment < len(sizes):
             raise Refused("shape", f"{module} has no fragment {fragment}")
-        current = self.current.get((module, fragment), 0)
         if not self.is_holder(sender, module):
-            # a mover our view does not show yet learns at once that the round is over here (told
-            # "not_holder" until the view renewed, it retried for a second of its sync at every move)
-            why = "stale" if round_index < current else "not_holder"
-            raise Refused(why, f"{sender} holds no claim on {module}; round {round_index}, ours {current}")
+            raise Refused("not_holder", f"{sender} holds no claim on {module}")
         if not self.standing.takes_part(sender, token):
             raise Refused("not_admitted", f"{sender} is not admitted to this invite-only run")
         self.active.setdefault(module, {})[sender] = time.monotonic()
+        current = self.current.get((module, fragment), 0)
         if round_index > current + LOOKAHEAD_ROUNDS:
             key = (module, fragment)
             self.seen_ahead[key] = max(self.seen_ahead.get(key, 0), round_index)
