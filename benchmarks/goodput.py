@@ -50,7 +50,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks.goodput_eval import eval_composite, eval_paths  # noqa: E402
+from benchmarks.goodput_eval import eval_composite, eval_paths, held_out, kill_over_clean  # noqa: E402
 from benchmarks.goodput_logs import (  # noqa: E402
     MOVE_MARK,
     count_double_moves,
@@ -234,7 +234,7 @@ def rotation(args: argparse.Namespace, folder: Path) -> dict:
     for _, meta in hist.values():
         for p, n in meta["path_steps"].items():
             path_steps[p] = path_steps.get(p, 0) + int(n)
-    monitor = statistics.fmean(shown) if shown else float("nan")
+    monitor = statistics.fmean(shown) if shown else NAN
     # where the loop's time went, as fractions of it (what no lap holds: before the first lap, the drain)
     parts = {k: 0.0 for k in LOOP_PARTS}
     for h, _ in hist.values():
@@ -304,14 +304,15 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
     if any(codes.values()):
         raise RuntimeError(f"peers exited with {codes}: {folder}/logs")
     metas = {n: load_latest_checkpoint(folder / n)[1] for n in names}
+    docs = held_out(args, manifest)
     tokens = sum(int(m["tokens_total"]) for m in metas.values())
     return dict(
         tokens=tokens,
         window_seconds=args.churn_seconds,
         tokens_per_second=tokens / args.churn_seconds,
         own_rounds={n: int(m.get("own_rounds", 0)) for n, m in metas.items()},
-        eval_loss=eval_paths(args, manifest, folder, names),
-        eval_composite=eval_composite(args, manifest, folder, names),
+        eval_loss=eval_paths(manifest, folder, names, docs),
+        eval_composite=eval_composite(manifest, folder, names, docs),
         rounds_split=count_splits(folder / "logs"),
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
         kills=kills,
@@ -419,17 +420,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"churn, {name} ...", flush=True)
             arms[name] = churn(args, args.out / "runs" / f"churn_{name}", kill)
             print(f"  { ({k: v for k, v in arms[name].items() if k != 'kills'}) }", flush=True)
-        clean_tps = statistics.fmean(
-            [arms["clean_start"]["tokens_per_second"], arms["clean_end"]["tokens_per_second"]]
-        )
-        clean_loss = statistics.fmean([arms["clean_start"]["eval_loss"], arms["clean_end"]["eval_loss"]])
         report["churn"] = dict(
             **arms,
-            tokens_ratio=arms["kill"]["tokens_per_second"] / clean_tps,
-            eval_loss_ratio=arms["kill"]["eval_loss"] / clean_loss,
+            tokens_ratio=kill_over_clean(arms, lambda a: a["tokens_per_second"]),
+            eval_loss_ratio=kill_over_clean(arms, lambda a: a["eval_loss"]),
             # beside it, not instead: the routed composite (benchmarks/goodput_eval.py)
-            composite_loss_ratio=arms["kill"]["eval_composite"]["loss"]
-            / statistics.fmean([arms[a]["eval_composite"]["loss"] for a in ("clean_start", "clean_end")]),
+            composite_loss_ratio=kill_over_clean(arms, lambda a: a["eval_composite"]["loss"]),
             rounds_split=arms["kill"]["rounds_split"],
             modules_reset=arms["kill"]["modules_reset"],
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.wan.report import load_weights
@@ -26,11 +27,21 @@ from peer.model.transformer import PathModel
 from peer.offline.evaluation import evaluate
 from peer.offline.grid_checkpoints import assemble_grid
 from peer.run.rebuild import check_tokenizer, make_route
+from peer.run.record import load_verified_manifest
 
 
-def eval_paths(args: argparse.Namespace, manifest: RunManifest, folder: Path, names: list[str]) -> float:
+def held_out(args: argparse.Namespace, manifest: RunManifest) -> list[str]:
+    """The run's held-out documents both measures score (read once per arm)."""
+    return eval_documents(manifest.dataset, limit=args.max_eval_docs)
+
+
+def kill_over_clean(arms: dict, value: Callable[[dict], float]) -> float:
+    """The kill arm's `value` over the mean of the clean arms' at both ends."""
+    return value(arms["kill"]) / statistics.fmean([value(arms["clean_start"]), value(arms["clean_end"])])
+
+
+def eval_paths(manifest: RunManifest, folder: Path, names: list[str], docs: list[str]) -> float:
     """Mean held-out loss of each peer's global copy of its final path, on every document."""
-    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
     tokenizer = load_tokenizer(manifest.tokenizer)
     losses = []
     for name in names:
@@ -42,10 +53,9 @@ def eval_paths(args: argparse.Namespace, manifest: RunManifest, folder: Path, na
     return statistics.fmean(losses)
 
 
-def eval_composite(args: argparse.Namespace, manifest: RunManifest, folder: Path, names: list[str]) -> dict:
+def eval_composite(manifest: RunManifest, folder: Path, names: list[str], docs: list[str]) -> dict:
     """Held-out loss of the grid from the peers' global copies, each document scored by its routed
     path: the whole and per path ({path index: loss})."""
-    docs = eval_documents(manifest.dataset, limit=args.max_eval_docs)
     grid = assemble_grid(manifest, [folder / n for n in names])
     result = evaluate(grid, docs, check_tokenizer(manifest), make_route(manifest), context=manifest.seq_len)
     per_path = {str(p): s.nll / s.tokens for p, s in sorted(result.per_path.items())}
@@ -76,11 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for arm in ARMS:
             folder = out / "runs" / f"churn_{arm}"
-            signed = json.loads((folder / "manifest.json").read_text())
-            manifest = RunManifest.model_validate_json(signed["manifest_json"])
-            churn[arm]["eval_composite"] = eval_composite(args, manifest, folder, [f"p{i}" for i in range(4)])
-        clean = statistics.fmean(churn[a]["eval_composite"]["loss"] for a in ("clean_start", "clean_end"))
-        churn["composite_loss_ratio"] = churn["kill"]["eval_composite"]["loss"] / clean
+            manifest, _ = load_verified_manifest(folder / "manifest.json")
+            names = [f"p{i}" for i in range(4)]
+            churn[arm]["eval_composite"] = eval_composite(manifest, folder, names, held_out(args, manifest))
+        churn["composite_loss_ratio"] = kill_over_clean(churn, lambda a: a["eval_composite"]["loss"])
         write_outputs(out, report)
         print(f"{out}: composite_loss_ratio {churn['composite_loss_ratio']:.3f}")
     return 0

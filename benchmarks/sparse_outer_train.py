@@ -100,10 +100,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     trunk_codec = make_codec(run["trunk_codec"]) if run.get("trunk_codec") else codec
     # a precision warm-up: the first `warm_rounds` rounds in `warm_codec` (the early, large outer
     # gradients), then the run's codec; every member knows the round, so sizes stay exact
-    warm_codec, warm_steps = (
-        make_codec(run.get("warm_codec") or "fp32"),
-        run.get("warm_rounds", 0) * args.inner_steps,
-    )
+    warm_codec = make_codec(run["warm_codec"]) if run.get("warm_codec") else None
+    warm_steps = run.get("warm_rounds", 0) * args.inner_steps
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
@@ -120,8 +118,9 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         for fragment in fragments_due(clock, args.inner_steps, P):
             parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
             for mid, decoded in parts.items():
+                now = trunk_codec if mid == TRUNK else codec
+                now = warm_codec if warm_codec is not None and clock <= warm_steps else now
                 for s in syncs:
-                    now = warm_codec if clock <= warm_steps else trunk_codec if mid == TRUNK else codec
                     payload, part = _send(s[mid], fragment, now, decay)
                     sent += len(payload)
                     decoded.append(part)
