@@ -57,6 +57,8 @@ from benchmarks.goodput_logs import (  # noqa: E402
     count_extra_moves,
     count_splits,
     cpu_seconds,
+    describe_starts,
+    start_seconds,
 )
 from benchmarks.local_runs import RESET_MARK, count_marks, write_run  # noqa: E402
 from peer.artifacts.store import ArtifactStore  # noqa: E402
@@ -317,6 +319,8 @@ def churn(args: argparse.Namespace, folder: Path, kill: bool) -> dict:
         modules_reset=count_marks(folder / "logs", (RESET_MARK,)),
         kills=kills,
         double_kills=sum(len(k["peers"]) == 2 for k in kills),
+        # what a kill costs the killed peer: its process's start to its first step (the machine's speed)
+        start_seconds=start_seconds(folder / "logs"),
         cpu_idle_fraction=idle / all_seconds if all_seconds else None,
     )
 
@@ -349,6 +353,8 @@ def table(report: dict) -> str:
             f"| churn | rounds_split | {c['kill']['rounds_split']} | 0 |",
             f"| churn | modules_reset | {c['kill']['modules_reset']} | 0 |",
             f"| churn | kills (two at once) | {len(c['kill']['kills'])} ({c['kill']['double_kills']}) | ≥2 |",
+            "| churn | a peer's start to its first step (s): launch, restart, mean (max) | "
+            f"{describe_starts(c['kill'].get('start_seconds'))} | |",
             "| churn | tokens/s, machine CPU idle: clean start, kill, clean end | "
             + ", ".join(
                 f"{c[a]['tokens_per_second']:.0f} ({_share(c[a].get('cpu_idle_fraction'))})" for a in ARMS

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from statistics import fmean
 
 #: what a member logs when the digests in a round's reports show its copy split from the group's:
 #: every member that merges logs it, so a split is counted once per (module, fragment, round)
@@ -15,6 +16,10 @@ SPLIT_LINE = re.compile(
 #: what a peer logs when it rotates to another path (peer.training.peer)
 MOVE_MARK = "rotating from path"
 #: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
+#: a peer's first inner step (peer.training.history.first_step_note)
+FIRST_STEP = re.compile(r"first inner step (\d+(?:\.\d+)?) s after the peer started")
+#: a peer's log (p2.log) or the kept log of one of its earlier lives (p2.1.log: the life its first kill ended)
+PEER_LOG = re.compile(r"(p\d+)(?:\.(\d+))?\.log")
 ROUND_OR_MOVE = re.compile(
     r"INFO peer\.training\.peer: (?:round (\d+) step|rotating from path \d+ to path (\d+))"
 )
@@ -27,6 +32,35 @@ def count_splits(logs: Path) -> int:
     for log in logs.glob("p*.log"):
         found |= {m.groups() for m in SPLIT_LINE.finditer(log.read_text(errors="replace"))}
     return len(found)
+
+
+def start_seconds(logs: Path) -> dict:
+    """Seconds from each peer process's start to its first inner step: `launch` for each peer's first
+    life, `restart` for every later one (a killed life's log is kept as pN.K.log, K its kill, the living
+    one is pN.log), and `restarts_without_a_step`: later lives killed before they trained a step."""
+    lives: dict[str, list[tuple[float, Path]]] = {}
+    for log in logs.glob("p*.log"):
+        if found := PEER_LOG.fullmatch(log.name):
+            order = float(found.group(2)) if found.group(2) else float("inf")  # the living one is the last
+            lives.setdefault(found.group(1), []).append((order, log))
+    out: dict = dict(launch=[], restart=[], restarts_without_a_step=0)
+    for peer in sorted(lives):
+        for i, (_, log) in enumerate(sorted(lives[peer])):
+            step = FIRST_STEP.search(log.read_text(errors="replace"))
+            if step is not None:
+                out["launch" if i == 0 else "restart"].append(float(step.group(1)))
+            elif i > 0:
+                out["restarts_without_a_step"] += 1
+    return out
+
+
+def describe_starts(starts: dict | None) -> str:
+    """`start_seconds` for a table: the mean (and max) of launches and of restarts."""
+    if starts is None:  # runs written before session 53 have none
+        return "–"
+    said = [f"{fmean(v):.1f} ({max(v):.1f})" if v else "–" for v in (starts["launch"], starts["restart"])]
+    missed = starts["restarts_without_a_step"]
+    return f"{said[0]}, {said[1]}" + (f"; {missed} killed before a step" if missed else "")
 
 
 def _moves(logs: Path) -> list[tuple[int, int, str]]:

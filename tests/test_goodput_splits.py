@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import logging
 
-from benchmarks.goodput_logs import count_double_moves, count_extra_moves, count_splits
+from benchmarks.goodput_logs import (
+    count_double_moves,
+    count_extra_moves,
+    count_splits,
+    describe_starts,
+    start_seconds,
+)
 from peer.config import OuterOptimizerConfig
 from peer.model.grid import ModelConfig
 from peer.model.transformer import GridModel
 from peer.sync.module_sync import ModuleSync
 from peer.sync.settling import merge_note, repair_note
+from peer.training.history import first_step_note
 
 
 def _module() -> ModuleSync:
@@ -66,3 +73,17 @@ def test_two_peers_moving_onto_one_path_at_the_same_round_count_as_a_double_move
         + line.format(5, "rotating from path 1 to path 0 (path steps 0: 900)")
     )
     assert count_double_moves(tmp_path) == 1 and count_extra_moves(tmp_path) == 2
+
+
+def test_a_restarted_peers_start_to_its_first_step_is_read_off_each_later_lifes_log(tmp_path):
+    """Each peer's first life is its launch (pN.1.log once killed, else pN.log); every later life is a
+    restart, the living one last; a later life killed before its first step is counted, not timed."""
+    (tmp_path / "p0.1.log").write_text(f"x INFO {first_step_note(1.25)}\nx INFO round 1 step 50\n")
+    (tmp_path / "p0.2.log").write_text(f"x INFO {first_step_note(6.04)}\n")
+    (tmp_path / "p0.3.log").write_text("x INFO config: {}\n")  # killed while it started
+    (tmp_path / "p0.log").write_text(f"x INFO {first_step_note(7.5)}\nx INFO {first_step_note(99)}\n")
+    (tmp_path / "p1.log").write_text(f"x INFO {first_step_note(1.5)}\n")  # never killed
+    (tmp_path / "bootstrap.log").write_text(f"{first_step_note(50)}\n")
+    starts = start_seconds(tmp_path)
+    assert starts == dict(launch=[1.2, 1.5], restart=[6.0, 7.5], restarts_without_a_step=1), starts
+    assert describe_starts(starts) == "1.4 (1.5), 6.8 (7.5); 1 killed before a step"

@@ -25,6 +25,12 @@ LOOP_PARTS = ("batches", "step", "loop", "sync", "rotation", "pace")
 TOKENS_PER_SECOND_WINDOW_SECONDS = 2.0
 
 
+def first_step_note(seconds: float) -> str:
+    """What a peer logs at its first inner step: a join's or restart's cost as a volunteer sees it
+    (benchmarks.goodput reads it off the logs of restarted peers)."""
+    return f"first inner step {seconds:.1f} s after the peer started"
+
+
 class Throughput:
     """Training tokens per second, measured over windows of at least TOKENS_PER_SECOND_WINDOW_SECONDS
     (a single step's rate would jump with every wait on a sync)."""

@@ -49,7 +49,7 @@ from peer.sync.pending import FragmentDone
 from peer.sync.service import SyncService
 from peer.training.checkpoints import Counters, PeerCheckpoints
 from peer.training.contribution import ContributionLedger
-from peer.training.history import RoundHistory, Throughput
+from peer.training.history import RoundHistory, Throughput, first_step_note
 from peer.training.inner import autocast_for, device_of, inner_step, make_inner_optimizer, tokens_in
 from peer.training.joining import join_run, obtain_artifacts, start_node
 from peer.training.path_data import PathData
@@ -262,8 +262,7 @@ class Peer:
             tokens = tokens_in(batch)
             if first_step:
                 first_step = False
-                since = time.time() - self.process_started
-                logger.info(f"first inner step {since:.1f} s after the peer started")
+                logger.info(first_step_note(time.time() - self.process_started))
             self.step += 1
             index = path_index(m.model, self.path)
             self.path_steps[index] = self.path_steps.get(index, 0) + 1
