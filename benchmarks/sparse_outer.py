@@ -15,7 +15,10 @@ that only the outer gradient's code and the outer step differ between runs:
   error feedback;
 * `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0 (its error
   feedback decay tuned too: `--tune_decays`);
-* `diloco_dense_2bit` — the same code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it;
+* `diloco_dense_2bit` — the same code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it; with
+  parts of the model in another code: `diloco_dense_2bit_trunk4` (the trunk in nf4),
+  `diloco_dense_2bit_vectors32` (every 1-D parameter unquantized), `diloco_dense_2bit_warm10` (the
+  first 10 rounds in nf4);
   `streaming_fp32` — fp32 on the codec runs' streaming schedule (P = 4, τ = 1, α = 0): together they
   tell what the schedule costs from what the code costs;
 * `diloco_fp32_muon`, `dense_2bit_muon`, `diloco_dense_2bit_muon` — with Muon as the inner optimizer
@@ -76,6 +79,15 @@ RUNS: dict[str, dict] = {
     "diloco_dense_2bit_trunk4": dict(
         codec="dense2bit",
         trunk_codec="nf4",
+        **DILOCO_SCHEDULE,
+        lr=0.7,
+        momentum=0.9,
+        tune=("lr", "momentum", "decay"),
+    ),
+    # MuLoCo's skip_norm_quantization: every 1-D parameter (norms, biases: 1.6% of the values) unquantized
+    "diloco_dense_2bit_vectors32": dict(
+        codec="dense2bit",
+        vector_codec="fp32",
         **DILOCO_SCHEDULE,
         lr=0.7,
         momentum=0.9,

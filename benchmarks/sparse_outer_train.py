@@ -102,6 +102,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     # gradients), then the run's codec; every member knows the round, so sizes stay exact
     warm_codec = make_codec(run["warm_codec"]) if run.get("warm_codec") else None
     warm_steps = run.get("warm_rounds", 0) * args.inner_steps
+    # and MuLoCo's norms: every 1-D parameter (norm weights and gains, biases) in `vector_codec`
+    vector_codec = make_codec(run["vector_codec"]) if run.get("vector_codec") else None
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
@@ -120,8 +122,9 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
             for mid, decoded in parts.items():
                 now = trunk_codec if mid == TRUNK else codec
                 now = warm_codec if warm_codec is not None and clock <= warm_steps else now
+                vectors = _vectors(syncs[0][mid], fragment) if vector_codec is not None else None
                 for s in syncs:
-                    payload, part = _send(s[mid], fragment, now, decay)
+                    payload, part = _send(s[mid], fragment, now, decay, vectors, vector_codec)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))
@@ -144,12 +147,32 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     )  # fmt: skip
 
 
-def _send(ms, fragment: int, codec, decay: float):
+def _vectors(ms, fragment: int):
+    """Where a fragment's flat vector holds 1-D parameters' values (a bool mask), or None for nowhere."""
+    import torch
+
+    mask = torch.zeros(ms.fragment_size(fragment), dtype=torch.bool)
+    for piece in ms.plan.pieces[fragment]:
+        if len(ms.plan.shapes[piece.param]) == 1:
+            mask[piece.offset : piece.offset + piece.stop - piece.start] = True
+    return mask if bool(mask.any()) else None
+
+
+def _send(ms, fragment: int, codec, decay: float, vectors=None, vector_codec=None):
     """What a member puts on the wire for a fragment round, and what the others decode from it; an
-    error feedback codec's unsent rest stays with the sender (as `peer.sync.outer` does)."""
+    error feedback codec's unsent rest stays with the sender (as `peer.sync.outer` does). Given a
+    mask of `vectors`, those values go in `vector_codec` and the rest in `codec`: two payloads."""
     delta = ms.corrected_outer_gradient(fragment, codec, decay)
-    payload = codec.encode(delta)
-    decoded = codec.decode(payload, delta.numel()).view_as(delta)
+    if vectors is None:
+        payload = codec.encode(delta)
+        decoded = codec.decode(payload, delta.numel()).view_as(delta)
+    else:
+        decoded = delta.clone()
+        payload = b""
+        for where, code in ((vectors, vector_codec), (~vectors, codec)):
+            part = code.encode(delta[where].contiguous())
+            decoded[where] = code.decode(part, int(where.sum())).view(-1)
+            payload += part
     if codec.spec.error_feedback:
         ms.settle_feedback(fragment, delta, decoded)
     return payload, decoded.numpy()
