@@ -15,11 +15,11 @@ SPLIT_LINE = re.compile(
 )
 #: what a peer logs when it rotates to another path (peer.training.peer)
 MOVE_MARK = "rotating from path"
-#: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
 #: a peer's first inner step (peer.training.history.first_step_note)
 FIRST_STEP = re.compile(r"first inner step (\d+(?:\.\d+)?) s after the peer started")
 #: a peer's log (p2.log) or the kept log of one of its earlier lives (p2.1.log: the life its first kill ended)
 PEER_LOG = re.compile(r"(p\d+)(?:\.(\d+))?\.log")
+#: a peer's round end and its move after it (peer.training.peer): a move is of the last round logged
 ROUND_OR_MOVE = re.compile(
     r"INFO peer\.training\.peer: (?:round (\d+) step|rotating from path \d+ to path (\d+))"
 )

@@ -1,6 +1,7 @@
 """`benchmarks.goodput` counts a split once per round, however many of its members logged it: the
 merge is logged by every member that merges (two of a module's two holders), and a count of lines
-doubled every split (session 37's `rounds_split` 2 for one split)."""
+doubled every split (session 37's `rounds_split` 2 for one split). It reads moves and restarts off the
+same logs."""
 
 from __future__ import annotations
 
