@@ -58,6 +58,10 @@ from benchmarks.sparse_outer_train import make_run_codec, train
 
 #: DiLoCo's schedule: the whole model in one round (P = 1), applied at once (τ = 0), no mixing
 DILOCO_SCHEDULE = dict(fragments=1, tau=0, alpha=0.0)
+#: the 2-bit code on DiLoCo's schedule; its variants below differ from it in one option each
+DILOCO_DENSE_2BIT = dict(
+    codec="dense2bit", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
+)
 RUNS: dict[str, dict] = {
     # the references are tuned too: DiLoCo's published lr (0.7, for H = 500) need not suit H = 8, and a
     # codec that beats an untuned baseline proves nothing
@@ -71,38 +75,14 @@ RUNS: dict[str, dict] = {
     "dense_2bit": dict(codec="dense2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")),
     # the 2-bit code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it; and fp32 on the streaming
     # schedule of the codec runs, which tells what the schedule costs from what a code costs
-    "diloco_dense_2bit": dict(
-        codec="dense2bit", **DILOCO_SCHEDULE, lr=0.7, momentum=0.9, tune=("lr", "momentum", "decay")
-    ),
+    "diloco_dense_2bit": DILOCO_DENSE_2BIT,
     # MuLoCo's 2-bit runs leave embeddings and norms unquantized: here the trunk (tied embedding and
     # head, positions, final norm: a tenth of the values) goes in 4 bits, the blocks in 2
-    "diloco_dense_2bit_trunk4": dict(
-        codec="dense2bit",
-        trunk_codec="nf4",
-        **DILOCO_SCHEDULE,
-        lr=0.7,
-        momentum=0.9,
-        tune=("lr", "momentum", "decay"),
-    ),
+    "diloco_dense_2bit_trunk4": {**DILOCO_DENSE_2BIT, "trunk_codec": "nf4"},
     # MuLoCo's skip_norm_quantization: every 1-D parameter (norms, biases: 1.6% of the values) unquantized
-    "diloco_dense_2bit_vectors32": dict(
-        codec="dense2bit",
-        vector_codec="fp32",
-        **DILOCO_SCHEDULE,
-        lr=0.7,
-        momentum=0.9,
-        tune=("lr", "momentum", "decay"),
-    ),
+    "diloco_dense_2bit_vectors32": {**DILOCO_DENSE_2BIT, "vector_codec": "fp32"},
     # the early rounds' large outer gradients in 4 bits, then 2 (the gap to fp32 is set by round 20-40)
-    "diloco_dense_2bit_warm10": dict(
-        codec="dense2bit",
-        warm_codec="nf4",
-        warm_rounds=10,
-        **DILOCO_SCHEDULE,
-        lr=0.7,
-        momentum=0.9,
-        tune=("lr", "momentum", "decay"),
-    ),
+    "diloco_dense_2bit_warm10": {**DILOCO_DENSE_2BIT, "warm_codec": "nf4", "warm_rounds": 10},
     "streaming_fp32": dict(codec="fp32", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
     # MuLoCo: Muon inside (the manifest's inner.muon); its 2-bit result is with Muon, so the pair runs
     # with its own fp32 reference and each reports its ratio to it beside the one to AdamW's DiLoCo

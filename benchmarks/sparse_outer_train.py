@@ -104,6 +104,12 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     warm_steps = run.get("warm_rounds", 0) * args.inner_steps
     # and MuLoCo's norms: every 1-D parameter (norm weights and gains, biases) in `vector_codec`
     vector_codec = make_codec(run["vector_codec"]) if run.get("vector_codec") else None
+    # where they lie in each fragment depends on the module alone: found once, not every round
+    vectors = {
+        (mid, f): _vectors(ms, f) if vector_codec is not None else None
+        for mid, ms in syncs[0].items()
+        for f in range(ms.n_fragments)
+    }
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
@@ -122,9 +128,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
             for mid, decoded in parts.items():
                 now = trunk_codec if mid == TRUNK else codec
                 now = warm_codec if warm_codec is not None and clock <= warm_steps else now
-                vectors = _vectors(syncs[0][mid], fragment) if vector_codec is not None else None
                 for s in syncs:
-                    payload, part = _send(s[mid], fragment, now, decay, vectors, vector_codec)
+                    payload, part = _send(s[mid], fragment, now, decay, vectors[mid, fragment], vector_codec)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))
