@@ -59,10 +59,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
 
     from benchmarks.wan import report
     from benchmarks.wan.driver import LabTraining
-    from peer.codecs.formats import make_codec
     from peer.config import OuterOptimizerConfig
     from peer.data.sources import eval_documents
-    from peer.model.grid import TRUNK
     from peer.model.transformer import PathModel
     from peer.offline.simulate import InnerLoop, document_batches
     from peer.sync.fragments import fragments_due
@@ -95,21 +93,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         for loop in loops
     ]
     codec = make_run_codec(run)
-    # MuLoCo keeps embeddings and norms out of its 2-bit code: a run may send the trunk (embeddings,
-    # head, final norm) in another codec
-    trunk_codec = make_codec(run["trunk_codec"]) if run.get("trunk_codec") else codec
-    # a precision warm-up: the first `warm_rounds` rounds in `warm_codec` (the early, large outer
-    # gradients), then the run's codec; every member knows the round, so sizes stay exact
-    warm_codec = make_codec(run["warm_codec"]) if run.get("warm_codec") else None
-    warm_steps = run.get("warm_rounds", 0) * args.inner_steps
-    # and MuLoCo's norms: every 1-D parameter (norm weights and gains, biases) in `vector_codec`
-    vector_codec = make_codec(run["vector_codec"]) if run.get("vector_codec") else None
-    # where they lie in each fragment depends on the module alone: found once, not every round
-    vectors = {
-        (mid, f): _vectors(ms, f) if vector_codec is not None else None
-        for mid, ms in syncs[0].items()
-        for f in range(ms.n_fragments)
-    }
+    codes = RunCodes(run, codec, args.inner_steps, syncs[0])
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
     sent = 0
@@ -126,10 +110,9 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         for fragment in fragments_due(clock, args.inner_steps, P):
             parts = {mid: [] for mid in syncs[0] if syncs[0][mid].fragment_size(fragment)}
             for mid, decoded in parts.items():
-                now = trunk_codec if mid == TRUNK else codec
-                now = warm_codec if warm_codec is not None and clock <= warm_steps else now
+                now, vectors = codes.of(mid, fragment, clock)
                 for s in syncs:
-                    payload, part = _send(s[mid], fragment, now, decay, vectors[mid, fragment], vector_codec)
+                    payload, part = _send(s[mid], fragment, now, decay, vectors, codes.vector_codec)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))
@@ -150,6 +133,38 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         wire_bits_per_value_per_round=8 * sent / args.peers / rounds / values, values=values,
         seconds=time.monotonic() - started, cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
+
+
+class RunCodes:
+    """Which codec sends a module's fragment at a clock step, as a run's options say. The run's codec,
+    but: the trunk (embeddings, head, final norm) in `trunk_codec` (MuLoCo keeps embeddings and norms
+    out of its 2-bit code); every part in `warm_codec` for the first `warm_rounds` rounds (a precision
+    warm-up for the early, large outer gradients: every member knows the round, so sizes stay exact);
+    every 1-D parameter (norm weights and gains, biases: MuLoCo's norms) in `vector_codec`."""
+
+    def __init__(self, run: dict, codec, inner_steps: int, modules: dict):
+        from peer.codecs.formats import make_codec
+
+        self.codec = codec
+        self.trunk_codec = make_codec(run["trunk_codec"]) if run.get("trunk_codec") else codec
+        self.warm_codec = make_codec(run["warm_codec"]) if run.get("warm_codec") else None
+        self.warm_steps = run.get("warm_rounds", 0) * inner_steps
+        self.vector_codec = make_codec(run["vector_codec"]) if run.get("vector_codec") else None
+        # where they lie in each fragment depends on the module alone: found once, not every round
+        self._vectors = {
+            (mid, f): _vectors(ms, f) if self.vector_codec is not None else None
+            for mid, ms in modules.items()
+            for f in range(ms.n_fragments)
+        }
+
+    def of(self, module: str, fragment: int, clock: int):
+        """(the codec of the part, the mask of its 1-D parameters' values for `vector_codec` or None)."""
+        from peer.model.grid import TRUNK
+
+        now = self.trunk_codec if module == TRUNK else self.codec
+        if self.warm_codec is not None and clock <= self.warm_steps:
+            now = self.warm_codec
+        return now, self._vectors[module, fragment]
 
 
 def _vectors(ms, fragment: int):
