@@ -96,7 +96,10 @@ def test_a_peer_without_the_files_fetches_the_runs_shards_and_tokenizer_and_trai
     originals = {describe_file(f, f.name)[0].sha256: f.read_bytes() for f in files}
     shutil.rmtree(corpus)  # nobody has the files or the tokenizer by path any more
     shutil.rmtree(tmp_path / "tok")
+    # each waits for the other: a peer slow to fetch the shards under load would otherwise find its
+    # partner's two rounds over and gone, and train its own alone from round 0
     common = ["--torch_threads", "1", "--batch_size", "4", "--heartbeat_seconds", "1"]
+    common += ["--wait_for_peers", "2"]
     with LocalSwarm(tmp_path / "logs") as swarm:
         swarm.start_bootstrap(extra=["--manifest_path", str(manifest_path)])
         # both join by name and pin alone: no manifest file, no --data_root
