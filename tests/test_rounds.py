@@ -408,27 +408,3 @@ def test_a_peer_restarted_mid_round_never_signs_a_second_report_for_it_and_is_no
 
 async def _reports_of(member, key) -> list[str]:
     return list(member.service.inbox.slot(key).reports.reports)
-
-
-def test_an_echo_relays_every_report_but_the_echoers_own_to_a_member_that_acknowledged_it(dht_factory):
-    """The echo is how members agree on the reports; a member already holds the report of an echoer
-    that it acknowledged, and relaying it back was 1 of the n reports in each echo of a group of n.
-    The member's own report still comes back (that is how an equivocator learns it was caught)."""
-    deltas = deltas_for(4, seed=11)
-    with sync_group(dht_factory, 4, NUMEL) as members:
-        ids = [m.peer_id for m in members]
-        relayed: dict[tuple[str, str], list[str]] = {}  # (echoer, to) -> the reporters it relayed
-        for m in members:
-            take = m.service.inbox.add_echo
-
-            def spy(sender, key, reports, take=take, me=m.peer_id):
-                relayed[(sender, me)] = sorted(r.reporter for r in reports)
-                return take(sender, key, reports)
-
-            m.service.inbox.add_echo = spy
-        results = run_round(members, deltas, [1.0] * 4)
-    assert [r.outcome for r in results] == ["averaged"] * 4, [r.detail for r in results]
-    assert all(torch.equal(r.delta, results[0].delta) for r in results)
-    assert sorted(relayed) == sorted((a, b) for a in ids for b in ids if a != b)  # every echo came
-    for (echoer, to), reporters in relayed.items():
-        assert reporters == sorted(set(ids) - {echoer}), (echoer[:8], to[:8], reporters)

@@ -3,8 +3,9 @@
 A member's report says which outer gradient it received from each sender (a digest of weight,
 standing and payload) and the digest of its own copy before the round. Reports are signed with the
 reporter's key, so any member can relay another's report and nobody can forge one. After the report
-phase every member sends every other the reports it holds (`Kind.ECHO`); then every member decides
-on the union: a member that sent different reports to different members is caught by whoever holds
+phase every member names to every other the reports it holds, by digest (`Kind.ECHO`), and sends
+those the other lacks (`Kind.NEED`); then every member decides on the union: a member that sent
+different reports to different members is caught by whoever holds
 two of them, with the evidence to show (`RoundReports.equivocators`), and its report and its part
 are left out by all.
 
@@ -16,24 +17,33 @@ report omits it, and never because of reports of keys without standing.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.identity import canonical_bytes, signer_of
+from peer.sync import wire
 from peer.sync.wire import Report
 
 logger = logging.getLogger(__name__)
 
-#: how long an echo waits for our report's push to the same member to be answered: the answer says
-#: whether it holds our report (`relayed`); usually a few milliseconds
+#: how long an echo waits for our report's push to the same member to be answered, so that the member
+#: holds our report when our echo names it and need not ask for it; usually a few milliseconds
 ECHO_PUSH_WAIT_SECONDS = 0.5
 
 
 def _body(report: Report) -> bytes:
     """What a report's signature covers: every field but the signature, in a canonical encoding."""
     return canonical_bytes(report.model_dump(mode="json", exclude={"signature"}))
+
+
+def report_digest(report: Report) -> str:
+    """What an echo names a report by: SHA-256 of what its signature covers. Two reports of one
+    reporter with different digests are an equivocation (`RoundReports.add` compares the same bytes)."""
+    return hashlib.sha256(_body(report)).hexdigest()
 
 
 def sign_report(report: Report, key: RSAPrivateKey, peer_id: str) -> Report:
@@ -103,29 +113,38 @@ def majority_state(reports: dict[str, Report], voters: list[str]) -> str | None:
     return digest if 2 * count > len(voters) else None
 
 
-def relayed(held: list[Report], me: str, holds_ours: bool, caught: dict) -> list[Report]:
-    """What our echo relays to a member: every report we hold (both of an equivocator's) but ours to a
-    member that acknowledged it. It holds ours, and we signed one: relaying it back catches nothing,
-    and in a group of n it was 1 of the n reports of each echo. The member's own report does go back:
-    if it signed another for others, that is how it learns it was caught and leaves itself out too."""
-    skip_ours = holds_ours and me not in caught
-    return [r for r in held if not (skip_ours and r.reporter == me)]
+def missing_reports(
+    reports: RoundReports, held: list[tuple[str, str]], wanted: Callable[[str], bool]
+) -> list[int]:
+    """The positions in an echo's `held` (reporter, digest) of the reports we lack: a reporter we
+    hold no report of, or one of another digest (the evidence of an equivocation). Each (reporter,
+    digest) once; none of a reporter already caught (we hold its two reports) or not `wanted` (one
+    that takes no part in the round: its report would be dropped)."""
+    have: dict[str, set[str]] = {r: {report_digest(rep)} for r, rep in reports.reports.items()}
+    asked: set[tuple[str, str]] = set()
+    out = []
+    for i, (reporter, digest) in enumerate(held):
+        known = reporter in reports.equivocators or digest in have.get(reporter, ())
+        if not known and (reporter, digest) not in asked and wanted(reporter):
+            asked.add((reporter, digest))
+            out.append(i)
+    return out
 
 
 async def send_echo(
-    service, member: str, frames_for, deadline: float, key, pushed, sent: dict, gone: dict
+    service, member: str, echo: wire.Echo, held: list[Report], deadline: float, key, pushed, sent, gone
 ) -> None:
-    """Relays our reports to `member` (`frames_for(member)`) once `pushed`, our report's push to it, is
-    answered or a moment has passed; its bytes go to `sent[key]` while the round counts them. A member
-    that cannot be reached at all (not merely slow) goes into `gone`: its own echo is not waited for."""
+    """Names the reports we hold to `member` (`echo`, `held` in its order) once `pushed`, our report's
+    push to it, is answered or a moment has passed, and sends those it asks for; the bytes go to
+    `sent[key]` while the round counts them. A member that cannot be reached at all (not merely slow)
+    goes into `gone`: its own echo is not waited for."""
     loop = asyncio.get_running_loop()
     if pushed is not None:
         await asyncio.wait({pushed}, timeout=min(ECHO_PUSH_WAIT_SECONDS, max(0.0, deadline - loop.time())))
-    frames = frames_for(member)
     try:
-        await service.send_all(member, frames, max(0.1, deadline - loop.time()))
+        nbytes = await service.echo(member, echo, held, max(0.1, deadline - loop.time()))
         if key in sent:
-            sent[key] += sum(len(f) for f in frames)
+            sent[key] += nbytes
     except Exception as e:  # it decides on what it holds; the next round's digests catch the rest
         logger.debug(f"{key}: echo to {member} failed: {type(e).__name__}: {e}")
         if not isinstance(e, TimeoutError):  # the dial failed or the stream was reset: nobody is there

@@ -42,7 +42,7 @@ from peer.sync.aggregate import AggregatorConfig
 from peer.sync.agreement import LEFT, agreed_parts, combine, copies_verdict, fetch_part, lagging, past_round
 from peer.sync.inbox import Delivery, Key, delivery_digest
 from peer.sync.probe import wait_probing
-from peer.sync.reports import relayed, send_echo, sign_report
+from peer.sync.reports import report_digest, send_echo, sign_report
 from peer.sync.sent_rounds import SentRounds
 from peer.sync.service import SyncService
 from peer.sync.sitting_out import VOID, SittingOut
@@ -283,7 +283,8 @@ class RoundRunner:
             await self._send(member, [wire.pack_header(Kind.REPORT, report)], deadline, {}, key, report=True)
 
     async def _report(self, key, received, state_digest, token, others) -> list[asyncio.Task]:
-        """Signs and sends our report, waits for the others', then relays every report we hold."""
+        """Signs and sends our report, waits for the others', then names every report we hold to each
+        member (an echo) and sends it those it lacks."""
         loop = asyncio.get_running_loop()
         inbox, service = self.service.inbox, self.service
         slot = inbox.slot(key)
@@ -296,8 +297,7 @@ class RoundRunner:
         inbox.keep_own_report(key, report)  # for a member our push misses (`probe.request_report`)
         deadline = loop.time() + self.settings.report_timeout_seconds
         frames = [wire.pack_header(Kind.REPORT, report)]
-        reported_to: set[str] = set()  # members that acknowledged our report: it is in their slot
-        push = {m: self._send(m, frames, deadline, {}, key, report=True, took=reported_to) for m in others}
+        push = {m: self._send(m, frames, deadline, {}, key, report=True) for m in others}
         pushes = {m: asyncio.create_task(c) for m, c in push.items()}
         sends = list(pushes.values())
         reporters = [s for s in received if s != self.me]  # members alive enough to have sent us their Δ
@@ -313,20 +313,17 @@ class RoundRunner:
 
         await wait_probing(service, key, lambda slot: not silent(), silent, dead, deadline, reports=True)
         logger.debug(f"{key}: reports from {sorted(slot.reports.reports)} of {reporters}")
-        # the echo: every report we hold (both of an equivocator's), to every member that reported
+        # the echo: every report we hold (both of an equivocator's), by digest, to every member that
+        # reported; its own report too: if it signed another for others, that is how it learns it was
+        # caught and leaves itself out as well
         held = list(slot.reports.reports.values()) + [b for _, b in slot.reports.equivocators.values()]
+        echo = wire.Echo(run=service.run, key=round_key, held=[(r.reporter, report_digest(r)) for r in held])
         targets = sorted(r for r in slot.reports.reports if r != self.me and r in received)
         echo_deadline = loop.time() + self.settings.report_timeout_seconds
-
-        def echo_frames(member: str) -> list[bytes]:
-            sent = relayed(held, self.me, member in reported_to, slot.reports.equivocators)
-            echo = wire.Echo(run=service.run, key=round_key, count=len(sent))
-            return [wire.pack_header(Kind.ECHO, echo), *(wire.pack_header(Kind.REPORT, r) for r in sent)]
-
         gone: dict[str, str] = {}  # killed after it reported: our echo to it or our probe finds so
         for m in targets:
-            echo = send_echo(service, m, echo_frames, echo_deadline, key, pushes.get(m), self._sent, gone)
-            sends.append(asyncio.create_task(echo))
+            relay = send_echo(service, m, echo, held, echo_deadline, key, pushes.get(m), self._sent, gone)
+            sends.append(asyncio.create_task(relay))
         # a member echoes only to those whose part it received (one whose report leaves ours out sends
         # us none); one found gone sends none either: waiting held every other holder the report timeout
         echoing = [m for m in targets if self.me in slot.reports.reports[m].received]

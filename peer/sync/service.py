@@ -29,6 +29,7 @@ from peer.faults import fault_point
 from peer.sync import wire
 from peer.sync.inbox import Delivery, Inbox, Refused, delivery_digest
 from peer.sync.refusal_log import RefusalLog
+from peer.sync.reports import missing_reports, report_digest
 from peer.sync.wire import Ack, Kind
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class SyncService:
                 self._check_run(report.run)
                 self.inbox.add_report(sender, report)
             elif kind == Kind.ECHO:
-                await self._on_echo(sender, wire.parse(wire.Echo, body), reader)
+                await self._on_echo(sender, wire.parse(wire.Echo, body), reader, writer)
             elif kind == Kind.PART_REQUEST:
                 await self._on_part_request(sender, wire.parse(wire.PartRequest, body), writer)
                 return
@@ -193,14 +194,24 @@ class SyncService:
         if run != self.run:
             raise Refused("run", f"run {run}, ours is {self.run}")
 
-    async def _on_echo(self, sender: str, echo: wire.Echo, reader) -> None:
+    async def _on_echo(self, sender: str, echo: wire.Echo, reader, writer) -> None:
+        """Takes in the reports `sender` holds for a round: asks for those named that we lack."""
         self._check_run(echo.run)
+        key = self.inbox.check_key(sender, *echo.key.as_tuple())
+        slot = self.inbox.slot(key)
+        wanted = missing_reports(slot.reports, echo.held, lambda r: self.inbox.is_holder(r, key[0]))
         reports = []
-        for _ in range(echo.count):  # each frame capped before it is read
-            _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
-            self.bytes_received += len(body) + 5
-            reports.append(wire.parse(wire.Report, body))
-        self.inbox.add_echo(sender, echo.key.as_tuple(), reports)
+        if wanted:
+            frame = wire.pack_header(Kind.NEED, wire.Need(indices=wanted))
+            self.bytes_sent += len(frame)
+            await wire.write(writer, frame)
+            for i in wanted:  # each frame capped before it is read
+                _, body = await wire.read_frame(reader, {Kind.REPORT}, wire.MAX_HEADER_BYTES)
+                self.bytes_received += len(body) + 5
+                report = wire.parse(wire.Report, body)
+                if (report.reporter, report_digest(report)) == echo.held[i]:  # else not what it named
+                    reports.append(report)
+        self.inbox.add_echo(sender, key, reports)
 
     async def _on_part_request(self, sender: str, request: wire.PartRequest, writer) -> None:
         """Sends a member the part of a round it missed, as its sender sent it to us."""
@@ -338,16 +349,29 @@ class SyncService:
         """`ask_each` from a thread other than the loop's (blocking)."""
         return self.call(self.ask_each(peers, frames, timeout), timeout + 2)
 
-    async def send_all(self, peer: str, frames: list[bytes], timeout: float) -> Ack:
-        """Sends every frame of one message to `peer` at once and returns its single ACK (an echo: the
-        receiver reads them all, each capped, before it answers)."""
+    async def echo(self, peer: str, echo: wire.Echo, held: list[wire.Report], timeout: float) -> int:
+        """Names the reports we hold (`held`, in `echo.held`'s order) to `peer` and sends those it asks
+        for; returns the bytes sent. Raises on any failure (unreachable, stalled, reset, malformed)."""
 
-        async def go() -> Ack:
-            reader, writer = await self.open(peer, frames, timeout)
+        async def go() -> int:
+            header = wire.pack_header(Kind.ECHO, echo)
+            reader, writer = await self.open(peer, [header], timeout)
+            sent = len(header)
             try:
-                _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+                kind, body = await wire.read_frame(reader, {Kind.ACK, Kind.NEED}, wire.MAX_HEADER_BYTES)
                 self.bytes_received += len(body) + 5
-                return wire.parse(Ack, body)
+                if kind == Kind.NEED:
+                    need = wire.parse(wire.Need, body)
+                    if need.indices[-1] >= len(held):
+                        raise wire.WireError(f"asked for report {need.indices[-1]} of {len(held)}")
+                    frames = [wire.pack_header(Kind.REPORT, held[i]) for i in need.indices]
+                    await wire.write(writer, *frames)
+                    self.bytes_sent += sum(len(f) for f in frames)
+                    sent += sum(len(f) for f in frames)
+                    _, body = await wire.read_frame(reader, {Kind.ACK}, wire.MAX_HEADER_BYTES)
+                    self.bytes_received += len(body) + 5
+                wire.parse(Ack, body)  # refused (a round over there) or taken: the same to the echoer
+                return sent
             finally:
                 writer.close()
 

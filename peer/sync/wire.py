@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dht.schema import MAX_ADMISSION_TOKEN_CHARS
 
-PROTOCOL = "pathswarm_sync_v2"  # v2: signed, relayed reports; admissions in headers
+PROTOCOL = "pathswarm_sync_v3"  # v2: signed, relayed reports; admissions in headers; v3: echoes by digest
 MAX_HEADER_BYTES = 64 * 1024
+#: reporters an echo may name (each with at most two reports: an equivocator's); a round's cap
+MAX_ECHO_REPORTERS = 256
 #: the refusal a peer answers a STANDING query with while it starts (`SyncService.training` unset)
 STARTING = "starting"
 #: the refusal of a SIT_OUT notice by a member that applied that round already (its window is past it)
@@ -46,7 +48,7 @@ class Kind(enum.IntEnum):
     ACK = 7
     KEEP = 8  # Keep: "take my state of this module now" (a last holder leaving); answered with an ACK
     COPY_REQUEST = 9  # CopyRequest; answered with an ACK, then (if ok) θ̄ and momentum as two PAYLOADs
-    ECHO = 10  # Echo, then its `count` REPORT frames (the signed reports the sender holds); an ACK
+    ECHO = 10  # Echo (the reports the sender holds, by digest); an ACK, or NEED then those REPORTs and an ACK
     PART_REQUEST = 11  # PartRequest; answered with an ACK, then (if ok) the DELTA header and its PAYLOAD
     ADMIT = 12  # AdmitRequest to a run's authority; answered with an ACK, then (if ok) an ADMITTED frame
     ADMITTED = 13  # Admitted: the token
@@ -55,6 +57,7 @@ class Kind(enum.IntEnum):
     HELLO = 16  # Hello: "I hold these modules now: read my claim"; an ACK once the claim is seen
     SIT_OUT = 17  # SitOut: "I send nothing more for this round (I sent it already)": an ACK
     REPORT_REQUEST = 18  # ReportRequest; answered with an ACK, then (if ok) the REPORT frame
+    NEED = 19  # Need: the receiver of an ECHO asks for the reports it names that it lacks
 
 
 class WireError(ValueError):
@@ -126,12 +129,37 @@ class Report(Header):
     signature: str = Field("", max_length=1024)
 
 
+PeerIdText = Annotated[str, Field(max_length=128)]
+DigestText = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class Echo(Header):
-    """Announces the signed reports of a round that follow, relayed so that every member decides on
-    the same reports and a member that told members different things is caught."""
+    """Names the signed reports of a round the sender holds, each by reporter and digest
+    (`peer.sync.reports.report_digest`), so that every member decides on the same reports and a
+    member that told members different things is caught. The receiver asks for those it lacks
+    (`Need`); a member usually holds them all already (each reporter pushed its own), and relaying
+    every report to every member cost a group of n members n² reports a round each."""
 
     key: RoundKey
-    count: int = Field(ge=0, le=256)
+    held: list[tuple[PeerIdText, DigestText]] = Field(max_length=2 * MAX_ECHO_REPORTERS)
+
+
+class Need(BaseModel):
+    """The answer to an `Echo`: the positions in its `held` of the reports to send, in that order."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    indices: list[Annotated[int, Field(ge=0, lt=2 * MAX_ECHO_REPORTERS)]] = Field(
+        min_length=1, max_length=2 * MAX_ECHO_REPORTERS
+    )
+
+    @field_validator("indices")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        # each report at most once: a member cannot make an echoer send one report many times
+        if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("indices must be strictly increasing")
+        return v
 
 
 class PartRequest(Header):
