@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peer.sync.aggregate import AggregatorConfig, Contribution, aggregate, exact_norm
+from peer.sync.aggregate import AggregatorConfig, Contribution, _median, aggregate, exact_norm
 
 
 def _parts(n: int, seed: int = 0, scale: float = 1.0) -> list[np.ndarray]:
@@ -100,3 +100,19 @@ def test_every_aggregator_can_be_chosen_for_a_run():
     from peer.sync.aggregate import AGGREGATORS
 
     assert [SyncConfig(aggregator=method).aggregator for method in AGGREGATORS] == list(AGGREGATORS)
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_the_coordinate_median_is_the_mean_of_the_middle_sorted_values_whatever_the_sign_of_zero(n):
+    """Up to NETWORK_MEDIAN_MAX_INPUTS parts the median comes from a sorting network, beyond from a
+    sort: both must give the sorted middle exactly, ties and repeated values included, and a -0.0
+    where another member's copy holds +0.0 must not change a bit of the result."""
+    rng = np.random.default_rng(n)
+    parts = [rng.integers(-3, 4, size=2048).astype(np.float32) * np.float32(0.25) for _ in range(n)]
+    ordered = np.sort(np.stack(parts).astype(np.float64), axis=0)
+    expected = (ordered[(n - 1) // 2] + ordered[n // 2]) * 0.5
+    result = _median(parts)
+    assert np.array_equal(result, expected)
+    signed = [np.where(p == 0, np.float32(-0.0), p) for p in parts]
+    assert np.signbit(signed[0][parts[0] == 0]).all()
+    assert _median(signed).tobytes() == result.tobytes()

@@ -144,22 +144,39 @@ def _trimmed_mean(inputs: Sequence[np.ndarray], trim_fraction: float) -> np.ndar
 def _centered_clip(inputs: Sequence[np.ndarray], weights: Sequence[float], iterations: int) -> np.ndarray:
     stacked = np.stack(inputs).astype(np.float64)
     v = _median(inputs)
-    tau = statistics.median(exact_norm(np.subtract(x, v)) for x in stacked)
-    for _ in range(iterations):
+    diffs = [np.subtract(x, v) for x in stacked]  # also the first iteration's: v is the same there
+    norms = [exact_norm(d) for d in diffs]
+    tau = statistics.median(norms)
+    for i in range(iterations):
+        if i:
+            diffs = [np.subtract(x, v) for x in stacked]
+            norms = [exact_norm(d) for d in diffs]
         step = np.zeros_like(v)
-        for x, w in zip(stacked, weights, strict=True):
-            diff = np.subtract(x, v)
-            norm = exact_norm(diff)
+        for diff, norm, w in zip(diffs, norms, weights, strict=True):
             factor = 1.0 if norm <= tau or norm == 0 else tau / norm
-            step = np.add(step, np.multiply(diff, np.float64(w * factor)))
+            np.add(step, np.multiply(diff, np.float64(w * factor), out=diff), out=step)  # in place: same bits
         v = np.add(v, step)
     return v
 
 
+#: up to this many inputs the median comes from a sorting network (np.minimum / np.maximum over whole
+#: rows): 4 parts of 810,000 values in 16 ms where np.sort along the stacked axis took 60 ms
+NETWORK_MEDIAN_MAX_INPUTS = 8
+
+
 def _median(inputs: Sequence[np.ndarray]) -> np.ndarray:
-    ordered = np.sort(np.stack(inputs).astype(np.float64), axis=0)
+    """The coordinate-wise median in float64: the mean of the two middle values (one when n is odd).
+    Negative zeros become +0 first (x + 0.0), so that equal values have equal bits and no ordering of
+    ties (which sorts and min/max leave to the build and the CPU) can change the result."""
     n = len(inputs)
-    return np.multiply(np.add(ordered[(n - 1) // 2], ordered[n // 2]), np.float64(0.5))
+    rows = [np.add(x, np.float64(0.0), dtype=np.float64) for x in inputs]
+    if n <= NETWORK_MEDIAN_MAX_INPUTS:
+        for p in range(n):  # odd-even transposition: n passes sort any n rows coordinate-wise
+            for i in range(p % 2, n - 1, 2):
+                rows[i], rows[i + 1] = np.minimum(rows[i], rows[i + 1]), np.maximum(rows[i], rows[i + 1])
+    else:
+        rows = list(np.sort(np.stack(rows), axis=0))
+    return np.multiply(np.add(rows[(n - 1) // 2], rows[n // 2]), np.float64(0.5))
 
 
 def _pair(ordered: list[Contribution]) -> np.ndarray:
