@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peer.sync.aggregate import AggregatorConfig, Contribution, _median, aggregate, exact_norm
+from peer.sync.aggregate import (
+    AGGREGATORS,
+    AggregatorConfig,
+    Contribution,
+    _combine,
+    _combine_all,
+    _median,
+    aggregate,
+    exact_norm,
+)
 
 
 def _parts(n: int, seed: int = 0, scale: float = 1.0) -> list[np.ndarray]:
@@ -116,3 +125,25 @@ def test_the_coordinate_median_is_the_mean_of_the_middle_sorted_values_whatever_
     signed = [np.where(p == 0, np.float32(-0.0), p) for p in parts]
     assert np.signbit(signed[0][parts[0] == 0]).all()
     assert _median(signed).tobytes() == result.tobytes()
+
+
+@pytest.mark.parametrize("method", AGGREGATORS)
+def test_sparse_parts_aggregate_on_their_support_to_the_same_bits_as_on_every_coordinate(method):
+    """Where at most half the coordinates hold a nonzero value in some part, the aggregate is taken
+    on those alone (+0.0 elsewhere): every method must give the bits it gives on all coordinates,
+    negative zeros in the parts included."""
+    rng = np.random.default_rng(7)
+    for n in (2, 3, 4, 5, 9):
+        parts = []
+        for _ in range(n):
+            x = np.zeros(4096, dtype=np.float32)
+            kept = rng.choice(4096, 90, replace=False)
+            x[kept] = rng.normal(size=90).astype(np.float32)
+            x[rng.choice(4096, 200, replace=False)] *= np.float32(-1)  # -0.0 where x was 0
+            parts.append(x)
+        assert np.signbit(parts[0][parts[0] == 0]).any()
+        contributions = _contributions(parts, weights=[float(w) for w in rng.uniform(1, 3, n)])
+        config = AggregatorConfig(method=method)
+        on_support = _combine(contributions, config)
+        assert np.count_nonzero(on_support) <= 90 * n
+        assert on_support.tobytes() == _combine_all(contributions, config).tobytes(), n
