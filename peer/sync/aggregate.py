@@ -75,15 +75,16 @@ class AggregatorConfig:
     iterations: int = 3
 
 
-def exact_norm(x: np.ndarray) -> float:
+def exact_norm(x: np.ndarray, scratch: np.ndarray | None = None) -> float:
     """The L2 norm, identical on every machine: squares in float64, summed one after another in index
     order (a prefix sum has exactly one order of additions, unlike `np.sum`, whose pairwise blocks and
     vector lanes depend on the build and the CPU). `math.fsum` would be correctly rounded too, but is
-    ~15x slower, and norms are most of a robust aggregation's cost."""
+    ~15x slower, and norms are most of a robust aggregation's cost. `scratch`: a float64 array of
+    x's size to compute in (a fresh 6 MB array costs more in page faults than the sum itself)."""
     if x.size == 0:
         return 0.0
-    squares = np.square(x, dtype=np.float64)
-    return math.sqrt(float(np.add.accumulate(squares.reshape(-1))[-1]))
+    squares = np.square(x.reshape(-1), out=scratch, dtype=np.float64)
+    return math.sqrt(float(np.add.accumulate(squares, out=squares)[-1]))
 
 
 def exact_dot(x: np.ndarray, y: np.ndarray) -> float:
@@ -142,20 +143,24 @@ def _trimmed_mean(inputs: Sequence[np.ndarray], trim_fraction: float) -> np.ndar
 
 
 def _centered_clip(inputs: Sequence[np.ndarray], weights: Sequence[float], iterations: int) -> np.ndarray:
-    stacked = np.stack(inputs).astype(np.float64)
+    # every array is made once and then written in place (the same bits as new ones, without the
+    # page faults of a fresh array per operation: they were a third of an aggregation's time)
+    rows = [np.asarray(x, dtype=np.float64) for x in inputs]
     v = _median(inputs)
-    diffs = [np.subtract(x, v) for x in stacked]  # also the first iteration's: v is the same there
-    norms = [exact_norm(d) for d in diffs]
+    diffs = [np.subtract(x, v) for x in rows]  # also the first iteration's: v is the same there
+    scratch, step = np.empty_like(v), np.empty_like(v)
+    norms = [exact_norm(d, scratch) for d in diffs]
     tau = statistics.median(norms)
     for i in range(iterations):
         if i:
-            diffs = [np.subtract(x, v) for x in stacked]
-            norms = [exact_norm(d) for d in diffs]
-        step = np.zeros_like(v)
+            for x, d in zip(rows, diffs, strict=True):
+                np.subtract(x, v, out=d)
+            norms = [exact_norm(d, scratch) for d in diffs]
+        step.fill(0.0)
         for diff, norm, w in zip(diffs, norms, weights, strict=True):
             factor = 1.0 if norm <= tau or norm == 0 else tau / norm
-            np.add(step, np.multiply(diff, np.float64(w * factor), out=diff), out=step)  # in place: same bits
-        v = np.add(v, step)
+            np.add(step, np.multiply(diff, np.float64(w * factor), out=diff), out=step)
+        np.add(v, step, out=v)
     return v
 
 
@@ -171,9 +176,12 @@ def _median(inputs: Sequence[np.ndarray]) -> np.ndarray:
     n = len(inputs)
     rows = [np.add(x, np.float64(0.0), dtype=np.float64) for x in inputs]
     if n <= NETWORK_MEDIAN_MAX_INPUTS:
+        spare = np.empty_like(rows[0])
         for p in range(n):  # odd-even transposition: n passes sort any n rows coordinate-wise
             for i in range(p % 2, n - 1, 2):
-                rows[i], rows[i + 1] = np.minimum(rows[i], rows[i + 1]), np.maximum(rows[i], rows[i + 1])
+                low = np.minimum(rows[i], rows[i + 1], out=spare)
+                np.maximum(rows[i], rows[i + 1], out=rows[i + 1])
+                rows[i], spare = low, rows[i]
     else:
         rows = list(np.sort(np.stack(rows), axis=0))
     return np.multiply(np.add(rows[(n - 1) // 2], rows[n // 2]), np.float64(0.5))
