@@ -25,15 +25,16 @@ from peer.sync import aggregate as current
 
 def load_reference(commit: str):
     """`peer/sync/aggregate.py` as it was at `commit`, as a module of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:peer/sync/aggregate.py"], check=True, capture_output=True, text=True
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "aggregate_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("aggregate_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    repo = Path(__file__).resolve().parents[1]
+    show = ["git", "show", f"{commit}:peer/sync/aggregate.py"]
+    source = subprocess.run(show, cwd=repo, check=True, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "aggregate_reference.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("aggregate_reference", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
     return module
 
 
