@@ -16,7 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.identity import peer_id_of_key
 from peer.sync import wire
-from peer.sync.reports import report_digest, send_echo, sign_report
+from peer.sync.reports import RoundReports, missing_reports, report_digest, send_echo, sign_report
 from peer.sync.wire import Kind
 from tests.sync_members import MODULE, RUN_ID, sync_group
 
@@ -114,3 +114,18 @@ def test_an_echo_naming_a_malformed_digest_is_refused():
         wire.parse(
             wire.Echo, msgpack.packb({"run": RUN, "key": ROUND.model_dump(), "held": [["peer", "not hex"]]})
         )
+
+
+def test_a_hostile_echo_naming_many_digests_is_asked_only_for_what_can_matter():
+    """One other digest of a reporter we hold is the evidence, two of one we do not are an
+    equivocator's pair, and reporters beyond the round's room would be refused: an echo that names
+    a thousand reports makes a member read at most those."""
+    x = RSAPrivateKey()
+    held = RoundReports()
+    assert held.add(signed(x, {}))
+    ours = peer_id_of_key(x)
+    named = [(ours, f"{i:064x}") for i in range(5)] + [("Y", f"{i:064x}") for i in range(5)]
+    named += [("Z", "a" * 64), ("W", "b" * 64), ("stranger", "c" * 64)]
+    wanted = missing_reports(held, named, lambda reporter: reporter != "stranger", room=2)
+    assert [named[i] for i in wanted] == [named[0], named[5], named[6], named[10]]
+    assert missing_reports(held, named, lambda reporter: True, room=0) == [0]

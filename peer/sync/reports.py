@@ -114,20 +114,29 @@ def majority_state(reports: dict[str, Report], voters: list[str]) -> str | None:
 
 
 def missing_reports(
-    reports: RoundReports, held: list[tuple[str, str]], wanted: Callable[[str], bool]
+    reports: RoundReports, held: list[tuple[str, str]], wanted: Callable[[str], bool], room: int
 ) -> list[int]:
     """The positions in an echo's `held` (reporter, digest) of the reports we lack: a reporter we
-    hold no report of, or one of another digest (the evidence of an equivocation). Each (reporter,
-    digest) once; none of a reporter already caught (we hold its two reports) or not `wanted` (one
-    that takes no part in the round: its report would be dropped)."""
+    hold no report of, or one of another digest (the evidence of an equivocation). None of a reporter
+    already caught (we hold its two reports) or not `wanted` (one that takes no part in the round: its
+    report would be dropped), and no more than can matter, however many names a hostile echo lists:
+    one other digest of a reporter we hold (it is the evidence), two of one we do not (an
+    equivocator's pair), and reporters we hold none of for at most `room` (the round's reporters we
+    may still take in)."""
     have: dict[str, set[str]] = {r: {report_digest(rep)} for r, rep in reports.reports.items()}
-    asked: set[tuple[str, str]] = set()
+    asked: dict[str, set[str]] = {}
     out = []
     for i, (reporter, digest) in enumerate(held):
-        known = reporter in reports.equivocators or digest in have.get(reporter, ())
-        if not known and (reporter, digest) not in asked and wanted(reporter):
-            asked.add((reporter, digest))
-            out.append(i)
+        if reporter in reports.equivocators or digest in have.get(reporter, ()):
+            continue
+        digests = asked.get(reporter, set())
+        new_reporter = reporter not in have and not digests
+        full = len(digests) >= (1 if reporter in have else 2) or (new_reporter and room <= 0)
+        if digest in digests or full or not wanted(reporter):
+            continue
+        room -= new_reporter
+        asked[reporter] = digests | {digest}
+        out.append(i)
     return out
 
 

@@ -199,7 +199,8 @@ class SyncService:
         self._check_run(echo.run)
         key = self.inbox.check_key(sender, *echo.key.as_tuple())
         slot = self.inbox.slot(key)
-        wanted = missing_reports(slot.reports, echo.held, lambda r: self.inbox.is_holder(r, key[0]))
+        room = self.inbox.max_senders - len(slot.reports.reports)  # `_take_report` refuses beyond
+        wanted = missing_reports(slot.reports, echo.held, lambda r: self.inbox.is_holder(r, key[0]), room)
         reports = []
         if wanted:
             frame = wire.pack_header(Kind.NEED, wire.Need(indices=wanted))
