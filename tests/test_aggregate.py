@@ -106,7 +106,6 @@ def test_parts_on_probation_are_weighed_against_the_admitted_aggregate():
 
 def test_every_aggregator_can_be_chosen_for_a_run():
     from peer.config import SyncConfig
-    from peer.sync.aggregate import AGGREGATORS
 
     assert [SyncConfig(aggregator=method).aggregator for method in AGGREGATORS] == list(AGGREGATORS)
 
