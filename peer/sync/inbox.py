@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.codecs.formats import Codec, CodecError
+from peer.sync.aggregate import exact_norm
 from peer.sync.reports import RoundReports
 from peer.sync.standing import Standing
 from peer.sync.wire import DeltaHeader, Report
@@ -366,9 +367,9 @@ class Inbox:
             delta = self.codec.decode(payload, header.numel)
         except CodecError as e:
             raise Refused("shape", str(e)) from None
-        if not torch.isfinite(delta).all():
+        norm = exact_norm(delta.numpy())  # NaN or inf where a value is: float32 squares never overflow
+        if not math.isfinite(norm):
             raise Refused("nonfinite", "NaN or inf values")
-        norm = float(delta.double().norm())
         if self.max_delta_norm > 0 and norm > self.max_delta_norm:
             raise Refused("norm", f"L2 norm {norm:.3g} exceeds {self.max_delta_norm:g}")
         return delta

@@ -176,14 +176,13 @@ class RoundRunner:
                 return RoundResult("excluded", torch.zeros_like(own), 1, detail=VOID, members=[self.me])
             return RoundResult("alone", own, 1, detail="sent already; nobody got past it", members=[self.me])
         token = inbox.standing.own_token
-        # encoded here, off the training thread (a sparse codec's top-k is no training step's business)
+        # encoded (and read back, as the others will) off the training thread and the event loop
         payload = await loop.run_in_executor(None, self.codec.encode, own)
+        decoded = await loop.run_in_executor(None, self.codec.decode, payload, own.numel())
         # on disk before the part leaves: a restart must never send and sign this round again
         await loop.run_in_executor(None, self.sent.record, *key)
         digest = delivery_digest(weight, token, payload)
-        mine = Delivery(
-            self.me, weight, digest, self.codec.decode(payload, own.numel()), len(payload), token, payload
-        )
+        mine = Delivery(self.me, weight, digest, decoded, len(payload), token, payload)
         inbox.add_delivery(key, mine)
         failed: dict[str, str] = {}
         took: set[str] = set()  # members that accepted our Δ: they are at this round too

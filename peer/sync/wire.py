@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dht.schema import MAX_ADMISSION_TOKEN_CHARS
 
-PROTOCOL = "pathswarm_sync_v3"  # v2: signed, relayed reports; admissions in headers; v3: echoes by digest
+PROTOCOL = "pathswarm_sync_v4"  # v2: signed, relayed reports; admissions in headers; v3: echoes by digest;
+# v4: norms in the aggregation add their squares in lanes (`aggregate._fixed_order_sum`): other bits
 MAX_HEADER_BYTES = 64 * 1024
 #: reporters an echo may name (each with at most two reports: an equivocator's); a round's cap
 MAX_ECHO_REPORTERS = 256
