@@ -58,6 +58,12 @@ class PeerConfig(BaseModel):
         "that other peers can reach this one through it",
     )
     new_swarm: bool = Field(False, description="start a new swarm (no --initial_peers)")
+    p2p_daemon_batch_scheduling: bool = Field(
+        True,
+        description="run the p2p daemon's threads under SCHED_BATCH (Linux; dht/daemon_scheduling.py): "
+        "its wake-ups for arriving packets wait for the training thread's time slice instead of "
+        "preempting it",
+    )
     run: str = Field(description="run NAME or NAME@HASH (pins the manifest's sha256 or a prefix of it)")
     manifest_path: Path | None = Field(None, description="a signed manifest file to verify and publish")
     invite: str | None = Field(

@@ -5,12 +5,11 @@ it too (and, in an invite run, that the run's creator admitted: `peer.sync.stand
 inside the window [current, current + LOOKAHEAD_ROUNDS] of that fragment (a faster holder may be a
 round or two ahead; older rounds are over). Each sender gets one delivery per round; reports are
 signed and kept per reporter, whoever relayed them (`peer.sync.reports`: two different ones from one
-reporter are the evidence that it equivocated); the number of senders per round is capped; a
-payload is decoded and checked (finite, norm bound) before it counts. Messages are kept until their
-round is applied, and the parts of the last rounds a while longer, for members that missed one the
-group agreed on. A sender whose parts fail those checks BAN_AFTER_BAD_PARTS times, or that is caught
-sending different reports, is refused outright for BAN_SECONDS: its headers, payloads and reports
-cost us nothing more, and every round leaves it out.
+reporter are the evidence that it equivocated); the number of senders per round is capped; a payload
+is decoded and checked (finite, norm bound) before it counts. Messages are kept until their round is
+applied, the last rounds' parts a while longer (for members that missed one the group agreed on). A
+sender whose parts fail those checks BAN_AFTER_BAD_PARTS times, or caught sending different reports,
+is refused outright for BAN_SECONDS: it costs us nothing more, and every round leaves it out.
 """
 
 from __future__ import annotations

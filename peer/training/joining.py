@@ -9,6 +9,7 @@ import logging
 import hivemind
 from hivemind.utils.crypto import RSAPrivateKey
 
+from dht.daemon_scheduling import batch_schedule_daemons
 from dht.node import start_dht
 from dht.schema import ManifestRecord
 from dht.serve_limits import ServeLimits
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def start_node(cfg: PeerConfig) -> tuple[hivemind.DHT, RSAPrivateKey]:
     """This peer's DHT node, on the addresses, relays and identity the config names."""
-    return start_dht(
+    dht, key = start_dht(
         initial_peers=cfg.initial_peers,
         host_maddrs=cfg.host_maddrs,
         announce_maddrs=cfg.announce_maddrs,
@@ -34,6 +35,9 @@ def start_node(cfg: PeerConfig) -> tuple[hivemind.DHT, RSAPrivateKey]:
         use_auto_relay=cfg.use_auto_relay,
         run_name=cfg.run_name,
     )
+    if cfg.p2p_daemon_batch_scheduling:
+        logger.debug(f"{batch_schedule_daemons()} threads of the p2p daemon under SCHED_BATCH")
+    return dht, key
 
 
 def join_run(
