@@ -100,12 +100,19 @@ def run(peak: float, payload: float | None, matchmaking: dict | None, **kw) -> d
     )
 
 
+CPU = dict(
+    compute_cpu_seconds_per_peer=18.0,
+    comm_cpu_seconds_per_peer=9.52,
+    training_thread_preemptions_per_peer=12345.0,
+)
+
+
 def test_targets_compare_wire_peaks_and_the_table_shows_both_peaks_and_matchmaking(tmp_path):
     none = dict(mean=0.0, max=0.0, syncs=4, measured=False)
     runs = {
         "diloco_fp32": run(28e6, 26e6, none, sync=dict(mean=17.0, max=18.0, syncs=4)),
         # a payload peak that alone would meet 1/(7*4), a wire peak that does not
-        "streaming_4bit": run(1.1e6, 0.9e6, none, b=1e6, loss=2.01, control_share=0.12),
+        "streaming_4bit": run(1.1e6, 0.9e6, none, b=1e6, loss=2.01, control_share=0.12, **CPU),
         "hivemind_optimizer": run(
             20e6, None, dict(mean=5.04, max=5.6, syncs=16, measured=True, group_sizes={})
         ),
@@ -125,6 +132,22 @@ def test_targets_compare_wire_peaks_and_the_table_shows_both_peaks_and_matchmaki
     assert "| 20,000 kB | – | 5.0 (max 5.6) | – |" in rows["hivemind_optimizer"]
     widths = {line.count("|") for line in text.splitlines() if line.startswith("| ") and "target" not in line}
     assert len({w for w in widths if w > 5}) == 1  # every row of the runs' table has every column
+    # each run's CPU, and how often its training thread was preempted (the runs that recorded it)
+    cpu = next(line for line in text.splitlines() if line.startswith("CPU per peer"))
+    assert cpu.endswith("preempted: streaming_4bit 18.0 / 9.5 s, 12,345"), cpu
+
+
+def test_a_threads_involuntary_context_switches_are_read_from_proc():
+    import os
+    import threading
+
+    from benchmarks.wan.cpu import _involuntary_switches
+
+    tid = threading.get_native_id()
+    status = open(f"/proc/{os.getpid()}/task/{tid}/status").read()
+    listed = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+    assert listed <= _involuntary_switches(os.getpid(), tid, -1) <= listed + 1000
+    assert _involuntary_switches(os.getpid(), 2**22 + 7, 42) == 42  # no such thread: the last count
 
 
 def test_no_sync_at_both_ends_is_the_baseline_and_sparse_is_held_to_146x_on_the_wire_and_in_payload():

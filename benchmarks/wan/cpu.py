@@ -34,6 +34,9 @@ class PeerCpu(threading.Thread):
         self.limited: set[int] = set()
         # CPU seconds last seen per (leader, pid, tid): what compute and communication cost
         self.cpu: dict[tuple[int, int, int], float] = {}
+        # involuntary context switches of each training thread: how often another thread preempted
+        # it (each costs it its caches; session 55: the p2p daemon's wake-ups, most of them)
+        self.preempted: dict[int, int] = {}
         self.names: dict[int, str] = {}
 
     def run(self) -> None:
@@ -46,6 +49,8 @@ class PeerCpu(threading.Thread):
                     except OSError:
                         continue  # the thread ended meanwhile
                     self.cpu[(leader, pid, tid)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+                    if tid in self.leaders:
+                        self.preempted[tid] = _involuntary_switches(pid, tid, self.preempted.get(tid, 0))
                     if pid not in self.names:
                         self.names[pid] = _process_name(pid)
             if self.stopped.wait(0.5):
@@ -79,7 +84,19 @@ class PeerCpu(threading.Thread):
             compute_cpu_seconds_per_peer=compute / n,
             comm_cpu_seconds_per_peer=comm / n,
             cpu_seconds_per_peer_by_process=by_process,
+            training_thread_preemptions_per_peer=sum(self.preempted.values()) / n,
         )
+
+
+def _involuntary_switches(pid: int, tid: int, last: int) -> int:
+    """The thread's nonvoluntary_ctxt_switches so far (`last` where it cannot be read now)."""
+    try:
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return last
 
 
 def _cpu_cgroup(tid: int) -> str:

@@ -365,6 +365,12 @@ def write_markdown(path: Path, report: dict) -> str:
                   + f", spread {base['tokens_per_second_spread']:.1%}"]  # fmt: skip
     for name, error in report.get("failed", {}).items():
         lines.append(f"| {name} | failed: {error.splitlines()[0][:80]} |" + " |" * 9)
+    cpu = [f"{name} {r['compute_cpu_seconds_per_peer']:.1f} / {r['comm_cpu_seconds_per_peer']:.1f} s, "
+           f"{r['training_thread_preemptions_per_peer']:,.0f}" for name, r in runs.items()
+           if "training_thread_preemptions_per_peer" in r]  # fmt: skip
+    if cpu:
+        lines += ["", "CPU per peer, training thread / the rest (sync, p2p daemon, DHT), and times its "
+                  "training thread was preempted: " + "; ".join(cpu)]  # fmt: skip
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
