@@ -23,15 +23,16 @@ import numpy as np
 from peer.sync import aggregate as current
 
 
-def load_reference(commit: str):
-    """`peer/sync/aggregate.py` as it was at `commit`, as a module of its own."""
+def load_reference(commit: str, path: str = "peer/sync/aggregate.py"):
+    """The module at `path` as it was at `commit`, as a module of its own (its imports are today's)."""
     repo = Path(__file__).resolve().parents[1]
-    show = ["git", "show", f"{commit}:peer/sync/aggregate.py"]
+    show = ["git", "show", f"{commit}:{path}"]
     source = subprocess.run(show, cwd=repo, check=True, capture_output=True, text=True).stdout
+    name = Path(path).stem + "_reference"
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "aggregate_reference.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("aggregate_reference", path)
+        file = Path(folder) / f"{name}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up
         spec.loader.exec_module(module)

@@ -1,6 +1,7 @@
-"""The two tools behind session 54's protocol figures: `benchmarks.round_bytes` (a round's bytes per
-member by frame kind) and `benchmarks.aggregate_cost` (each aggregator's time, and whether an earlier
-commit's aggregate.py gives the same bits)."""
+"""The tools behind sessions 54-55's protocol figures: `benchmarks.round_bytes` (a round's bytes per
+member by frame kind), `benchmarks.aggregate_cost` (each aggregator's time, and whether an earlier
+commit's aggregate.py gives the same bits) and `benchmarks.codec_cost` (each codec's encode and decode
+time, and whether an earlier commit's formats.py sends the same bytes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import aggregate_cost, round_bytes
+from benchmarks import aggregate_cost, codec_cost, round_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,3 +42,16 @@ def test_the_aggregation_tool_finds_the_same_bits_at_head_and_names_its_referenc
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith(("| dense", "| sparse"))]
     assert len(rows) == 10 and all(line.endswith("| yes |") for line in rows), table
+
+
+@pytest.mark.swarm  # it runs git
+@pytest.mark.timeout(120)
+def test_the_codec_tool_finds_the_same_bytes_at_head_for_every_codec(capsys):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    codec_cost.main(["--numel", "5000", "--repeats", "1", "--reference", head.stdout.strip()])
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| codec")]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(codec_cost.CODECS), table
+    assert all(line.endswith("| yes |") for line in rows), table
