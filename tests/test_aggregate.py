@@ -176,3 +176,23 @@ def test_norms_and_dot_products_add_their_terms_in_the_documented_order():
     x = rng.normal(size=3 * SUM_LANES).astype(np.float32)
     prefix = float(np.add.accumulate(np.square(x, dtype=np.float64))[-1])
     assert exact_norm(x) ** 2 != prefix or exact_norm(x[::-1]) ** 2 != prefix
+
+
+@pytest.mark.parametrize("n", [3, 4, 9])
+def test_the_aggregate_does_not_depend_on_the_block_size_it_is_worked_through_in(monkeypatch, n):
+    """CenteredClip and the median work through their vectors in blocks (aggregate.BLOCK), for the
+    cache; every block size (a multiple of the norms' lanes) must give the bits of one whole-vector
+    pass, at sizes on and across a block's edge."""
+    import peer.sync.aggregate as aggregate_module
+
+    rng = np.random.default_rng(n)
+    for size in (1, SUM_LANES, 3 * SUM_LANES + 5):
+        parts = [(rng.normal(size=size) * (1 + 5 * (i == 0))).astype(np.float32) for i in range(n)]
+        contributions = _contributions(parts, weights=[float(w) for w in rng.uniform(1, 3, n)])
+        results = []
+        for block in (SUM_LANES, 2 * SUM_LANES, 10**9):
+            monkeypatch.setattr(aggregate_module, "BLOCK", block)
+            config = AggregatorConfig(method="centered_clip")
+            # float64, before the float32 the group applies (which would hide a last bit)
+            results.append((_combine_all(contributions, config).tobytes(), _median(parts).tobytes()))
+        assert results[0] == results[1] == results[2], (n, size)
