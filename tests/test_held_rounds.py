@@ -64,12 +64,14 @@ class Holder:
 
 
 @contextmanager
-def _pair(dht_factory, tau: int, alpha: float, seed: int, sent: dict | None = None) -> Iterator[list[Holder]]:
+def _pair(
+    dht_factory, tau: int, alpha: float, seed: int, sent: dict | None = None, averaging_timeout: float = 10.0
+) -> Iterator[list[Holder]]:
     """Two holders of one module, each with a real DHT node, sync service and round runner (`sent`:
     a member's record of rounds sent, as a restarted peer reads it)."""
     module = PathModel(CFG, (0, 0), seed=5).parts[MODULE]
     numel = ModuleSync(CFG, MODULE, module, OuterOptimizerConfig(), 1).fragment_size(0)
-    with sync_group(dht_factory, 2, numel, sent=sent) as members:
+    with sync_group(dht_factory, 2, numel, sent=sent, averaging_timeout=averaging_timeout) as members:
         holders = {MODULE: [m.peer_id for m in members]}
         loops, syncs = _loops(members, tau, alpha)
         gen = torch.Generator().manual_seed(seed)
@@ -167,7 +169,10 @@ def test_a_round_sat_out_past_the_hold_is_split_off_and_the_schedule_goes_on_wit
     goes on by itself: the schedule moves, no round of that module starts until it ended, and it is
     applied as a late sync of the fragment, not a round of the peer's."""
     SentRounds(tmp_path, RUN_ID).record(MODULE, 0, 0)
-    with _pair(dht_factory, TAU, 0.5, seed=6, sent={0: SentRounds(tmp_path, RUN_ID)}) as (restarted, partner):
+    # the sit-out waits at most the averaging and report timeouts: longer than all the steps below
+    # take on a loaded machine (at the default 12 s it once ended first in a full suite run)
+    sent = {0: SentRounds(tmp_path, RUN_ID)}
+    with _pair(dht_factory, TAU, 0.5, seed=6, sent=sent, averaging_timeout=60.0) as (restarted, partner):
         # the partner never trains: it answers it is starting, so the sit-out waits for it
         for _ in range(H + TAU + H):  # the round, its τ, and H/P held steps: the hold is over
             restarted.step()
