@@ -4,9 +4,9 @@ Every member of a group holds the same decoded inputs (the all-gather of `peer.s
 runs the same code on them, so every member must compute the *same bits* even on different CPUs.
 Hence: inputs in a fixed order (sorted by peer id); only element-wise float operations, each
 rounded once (no fused multiply-add, whose use differs between machines and vector widths); norms
-summed in one fixed order (`exact_norm`); scalar factors computed in
-Python floats. Sparse parts are aggregated on the coordinates where some part is nonzero (`_combine`):
-the same bits, at a tenth of the time for sparse2bit's parts.
+summed in one fixed order (`exact_norm`); scalar factors computed in Python floats. Sparse parts
+are aggregated on the coordinates where some part is nonzero (`_combine`): what all coordinates give
+up to the order of the norms' additions, at a tenth of the time for sparse2bit's parts.
 
 Aggregators (the run's `sync.aggregator`):
 
