@@ -50,14 +50,19 @@ def parts(n: int, numel: int, density: float, seed: int) -> list[np.ndarray]:
     return out
 
 
+def timed_call(call, repeats: int) -> tuple[float, object]:
+    """ms per call of `call` (after one untimed call), and that first call's result."""
+    result = call()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats * 1e3, result
+
+
 def timed(module, xs: list[np.ndarray], method: str, repeats: int) -> tuple[float, np.ndarray]:
     contributions = [module.Contribution(f"p{i}", x, 1.0 + i % 3) for i, x in enumerate(xs)]
     config = module.AggregatorConfig(method=method)
-    result = module.aggregate(contributions, config)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        module.aggregate(contributions, config)
-    return (time.perf_counter() - start) / repeats * 1e3, result
+    return timed_call(lambda: module.aggregate(contributions, config), repeats)
 
 
 def main(argv: list[str] | None = None) -> None:

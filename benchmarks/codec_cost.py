@@ -11,29 +11,20 @@ both encoded the same bytes and decoded them to the same values.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
-from benchmarks.aggregate_cost import load_reference
+from benchmarks.aggregate_cost import load_reference, timed_call
 from peer.codecs import formats as current
 
 CODECS = ("nf4", "e3m0", "int8", "sparse", "sparse2bit", "dense2bit")
 
 
-def timed(call, repeats: int) -> tuple[float, object]:
-    result = call()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats * 1e3, result
-
-
 def row(module, name: str, x: torch.Tensor, repeats: int) -> tuple[float, float, bytes, bytes]:
     codec = module.make_codec(name)
-    encode_ms, data = timed(lambda: codec.encode(x), repeats)
-    decode_ms, values = timed(lambda: codec.decode(data, x.numel()), repeats)
+    encode_ms, data = timed_call(lambda: codec.encode(x), repeats)
+    decode_ms, values = timed_call(lambda: codec.decode(data, x.numel()), repeats)
     return encode_ms, decode_ms, data, values.numpy().tobytes()
 
 

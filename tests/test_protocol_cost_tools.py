@@ -16,6 +16,14 @@ from benchmarks import aggregate_cost, codec_cost, round_bytes
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _head() -> str:
+    """This checkout's commit, the tools' reference (the test skips outside a git checkout)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    return head.stdout.strip()
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(120)
 def test_a_round_of_three_members_counts_each_members_part_to_the_two_others_and_reports_by_kind(tmp_path):
@@ -35,10 +43,7 @@ def test_a_round_of_three_members_counts_each_members_part_to_the_two_others_and
 @pytest.mark.swarm  # it runs git
 @pytest.mark.timeout(120)
 def test_the_aggregation_tool_finds_the_same_bits_at_head_and_names_its_reference(capsys):
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    if head.returncode != 0:
-        pytest.skip("not a git checkout")
-    aggregate_cost.main(["--numel", "2048", "--repeats", "1", "--reference", head.stdout.strip()])
+    aggregate_cost.main(["--numel", "2048", "--repeats", "1", "--reference", _head()])
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith(("| dense", "| sparse"))]
     assert len(rows) == 10 and all(line.endswith("| yes |") for line in rows), table
@@ -47,10 +52,7 @@ def test_the_aggregation_tool_finds_the_same_bits_at_head_and_names_its_referenc
 @pytest.mark.swarm  # it runs git
 @pytest.mark.timeout(120)
 def test_the_codec_tool_finds_the_same_bytes_at_head_for_every_codec(capsys):
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    if head.returncode != 0:
-        pytest.skip("not a git checkout")
-    codec_cost.main(["--numel", "5000", "--repeats", "1", "--reference", head.stdout.strip()])
+    codec_cost.main(["--numel", "5000", "--repeats", "1", "--reference", _head()])
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| codec")]
     assert [r.split(" | ")[0][2:] for r in rows] == list(codec_cost.CODECS), table

@@ -140,11 +140,12 @@ def test_targets_compare_wire_peaks_and_the_table_shows_both_peaks_and_matchmaki
 def test_a_threads_involuntary_context_switches_are_read_from_proc():
     import os
     import threading
+    from pathlib import Path
 
     from benchmarks.wan.cpu import _involuntary_switches
 
     tid = threading.get_native_id()
-    status = open(f"/proc/{os.getpid()}/task/{tid}/status").read()
+    status = Path(f"/proc/{os.getpid()}/task/{tid}/status").read_text()
     listed = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
     assert listed <= _involuntary_switches(os.getpid(), tid, -1) <= listed + 1000
     assert _involuntary_switches(os.getpid(), 2**22 + 7, 42) == 42  # no such thread: the last count
