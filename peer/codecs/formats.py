@@ -24,6 +24,7 @@ decoding use the same scale.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -119,6 +120,18 @@ class BlockCodec4(Codec):
 
     levels: torch.Tensor  # 16 ascending code values in [-1, 1], indexed by nibble
 
+    @functools.cached_property
+    def _midpoints(self) -> list[np.float32]:
+        """The 15 midpoints between neighbouring levels: a value's nibble is how many lie below it."""
+        return [np.float32(m) for m in ((self.levels[1:] + self.levels[:-1]) / 2).tolist()]
+
+    @functools.cached_property
+    def _byte_levels(self) -> np.ndarray:
+        """Each of the 256 bytes' two levels (high nibble first), a pair of float32 read as one 8-byte
+        item, so that np.take moves whole items."""
+        pairs = torch.stack([self.levels.repeat_interleave(16), self.levels.repeat(16)], 1).numpy()
+        return pairs.view(np.uint64).reshape(-1)
+
     def encode(self, x: torch.Tensor) -> bytes:
         block = self.spec.block
         blocks, n = _blocks(x, block)
@@ -128,8 +141,8 @@ class BlockCodec4(Codec):
         # levels ascend, so the nearest level's nibble is the number of midpoints below the value:
         # 15 vector comparisons, a sixth of a binary search's time (torch.bucketize, same codes)
         codes = np.zeros(n, dtype=np.uint8)
-        for midpoint in ((self.levels[1:] + self.levels[:-1]) / 2).tolist():
-            codes += normalized > np.float32(midpoint)
+        for midpoint in self._midpoints:
+            codes += normalized > midpoint
         return _bf16_bytes(scales) + _pack_nibbles(torch.from_numpy(codes))
 
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
@@ -139,11 +152,9 @@ class BlockCodec4(Codec):
         scales = _bf16_from(data[: 2 * n_blocks])
         if not torch.isfinite(scales).all():
             raise CodecError(f"{self.spec.name}: non-finite block scale")
-        # each byte's two levels at once, from a table of all 256 bytes (a pair of float32 read as
-        # one 8-byte item, so that np.take moves whole items): no per-nibble index array
-        pairs = torch.stack([self.levels.repeat_interleave(16), self.levels.repeat(16)], 1).numpy()
+        # each byte's two levels at once, from a table of all 256 bytes: no per-nibble index array
         packed = np.frombuffer(data, dtype=np.uint8, offset=2 * n_blocks)
-        values = np.take(pairs.view(np.uint64).reshape(-1), packed).view(np.float32)[: n_blocks * block]
+        values = np.take(self._byte_levels, packed).view(np.float32)[: n_blocks * block]
         if values.size < n_blocks * block:  # a last block that ends mid-byte or short of a block
             values = np.concatenate([values, np.zeros(n_blocks * block - values.size, np.float32)])
         values = values.reshape(n_blocks, block)
