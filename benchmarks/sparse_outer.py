@@ -69,6 +69,11 @@ RUNS: dict[str, dict] = {
     "streaming_nf4": dict(codec="nf4", alpha=0.5, lr=0.7, momentum=0.9, tune=("lr",)),
     "sparse": dict(codec="sparse", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr",)),
     "sparse2bit": dict(codec="sparse2bit", alpha=0.0, lr=8.0, momentum=0.0, tune=("lr", "density")),
+    # the overlap's τ steps carried onto the new global copy instead of dropped (α = 0) or halved (α = 0.5)
+    "sparse2bit_carry": dict(
+        codec="sparse2bit", alpha=0.0, carry=True, lr=8.0, momentum=0.0, tune=("lr", "density")
+    ),
+    "streaming_nf4_carry": dict(codec="nf4", alpha=0.0, carry=True, lr=0.7, momentum=0.9, tune=("lr",)),
     "sparse2bit_nesterov": dict(codec="sparse2bit", alpha=0.0, lr=0.7, momentum=0.9, tune=("lr",)),
     # error feedback decay as a knob too: a dense code's rounding error is unbiased noise that a decay
     # below 1 partly forgets, where SparseLoCo's top-k rest is momentum-like and meant to fade

@@ -96,6 +96,8 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     codes = RunCodes(run, codec, args.inner_steps, syncs[0])
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
     pending: list[tuple[int, int, dict]] = []
+    # `carry` runs: each member's θ_local of a fragment when its Δ was taken, until the round applies
+    sent_locals: dict[tuple[str, int], list] = {}
     sent = 0
 
     def loss_now() -> float:
@@ -112,18 +114,22 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
             for mid, decoded in parts.items():
                 now, vectors = codes.of(mid, fragment, clock)
                 for s in syncs:
+                    if run.get("carry"):
+                        sent_locals.setdefault((mid, fragment), []).append(
+                            s[mid].plan.gather(s[mid].local_params, fragment)
+                        )
                     payload, part = _send(s[mid], fragment, now, decay, vectors, codes.vector_codec)
                     sent += len(payload)
                     decoded.append(part)
             pending.append((clock + tau, fragment, parts))
         for item in [p for p in pending if p[0] <= clock]:
             pending.remove(item)
-            _finish(syncs, item[1], item[2], run["alpha"])
+            _finish(syncs, item[1], item[2], run["alpha"], sent_locals)
         rounds_done, rest = divmod(clock, args.inner_steps)
         if score_on == "eval" and not rest and rounds_done % args.eval_every == 0 and clock < args.steps:
             curve.append(dict(round=rounds_done, payload_bytes_per_peer=sent // args.peers, loss=loss_now()))
     for item in pending:
-        _finish(syncs, item[1], item[2], run["alpha"])
+        _finish(syncs, item[1], item[2], run["alpha"], sent_locals)
     loss = loss_now()
     rounds = args.steps // args.inner_steps
     curve.append(dict(round=rounds, payload_bytes_per_peer=sent // args.peers, loss=loss))
@@ -198,7 +204,7 @@ def _send(ms, fragment: int, codec, decay: float, vectors=None, vector_codec=Non
     return payload, decoded.numpy()
 
 
-def _finish(syncs: list[dict], fragment: int, parts: dict, alpha: float) -> None:
+def _finish(syncs: list[dict], fragment: int, parts: dict, alpha: float, sent_locals: dict) -> None:
     """The group's aggregate of every module's decoded parts, applied by every member."""
     import torch
 
@@ -206,5 +212,6 @@ def _finish(syncs: list[dict], fragment: int, parts: dict, alpha: float) -> None
 
     for mid, decoded in parts.items():
         mean = aggregate([Contribution(f"p{i}", d, 1.0) for i, d in enumerate(decoded)], AggregatorConfig())
-        for s in syncs:
-            s[mid].apply(fragment, torch.from_numpy(mean), alpha)
+        locals_ = sent_locals.pop((mid, fragment), None) or [None] * len(syncs)
+        for s, sent_local in zip(syncs, locals_, strict=True):
+            s[mid].apply(fragment, torch.from_numpy(mean), alpha, sent_local=sent_local)

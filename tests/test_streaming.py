@@ -293,3 +293,25 @@ def test_error_feedback_loses_nothing_and_keeps_copies_identical(dht_factory, co
     applied = (start - a.global_flats[0]).double()
     kept = sum(r - ms.errors[0].double() for r, ms in zip(raw, syncs, strict=True)) / 2
     assert float((applied - kept).abs().max()) < 1e-5 * float(kept.abs().max())
+
+
+def test_the_steps_trained_since_a_fragments_delta_are_carried_onto_its_new_copy_when_asked():
+    """`ModuleSync.apply(sent_local=...)`: θ_local ← θ̃ + (θ_local − θ_local at the send); without it,
+    α = 0 replaces θ_local by θ̃ and those steps are gone."""
+    outer = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
+    for carried in (True, False):
+        model = PathModel(CFG, (0, 0), seed=5)
+        ms = ModuleSync(CFG, "l0m0", model.parts["l0m0"], outer, n_fragments=2)
+        with torch.no_grad():
+            for p in ms.local_params:
+                p.sub_(1.0)  # the steps before the send: Δ = 1 everywhere
+        delta, at_send = ms.outer_gradient(0), ms.plan.gather(ms.local_params, 0)
+        with torch.no_grad():
+            for p in ms.local_params:
+                p.sub_(0.25)  # the τ steps trained while the round ran
+        before = ms.global_flats[0].clone()
+        ms.apply(0, delta, 0.0, sent_local=at_send if carried else None)
+        new_copy = before - delta
+        assert torch.equal(ms.global_flats[0], new_copy)
+        expected = new_copy - 0.25 if carried else new_copy
+        assert torch.allclose(ms.plan.gather(ms.local_params, 0), expected, atol=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
 from benchmarks.wan import report
@@ -239,3 +240,16 @@ def test_throughput_is_steady_state_and_the_final_drain_is_reported_beside_it():
     # too few rounds for a steady window: both are the whole window
     short = measured([history([{}, {}])], {})
     assert short["tokens_per_second"] == short["tokens_per_second_to_the_end"] == 80.0
+
+
+def test_streaming_sparse_takes_its_own_overlap_when_given_and_streaming_4bits_otherwise():
+    from benchmarks.wan.driver import sync_config
+    from benchmarks.wan.options import parse_args
+
+    given = parse_args(["--out", "x", "--inner_steps", "24", "--sparse_overlap_steps", "2"])
+    assert sync_config("streaming_sparse", given, 5).overlap_steps == 2
+    assert sync_config("streaming_4bit", given, 5).overlap_steps == 5
+    same = parse_args(["--out", "x", "--inner_steps", "24"])
+    assert sync_config("streaming_sparse", same, 5).overlap_steps == 5
+    with pytest.raises(SystemExit):  # τ = H/P: the next fragment's round would start first
+        parse_args(["--out", "x", "--inner_steps", "24", "--sparse_overlap_steps", "6"])

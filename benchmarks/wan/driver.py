@@ -101,12 +101,17 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
         return SyncConfig(
             codec=args.codec if name == "streaming_4bit" else args.sparse_codec,
             fragments=args.fragments,
-            overlap_steps=tau,
+            overlap_steps=sparse_tau(args, tau) if name == "streaming_sparse" else tau,
             mixing_alpha=args.mixing_alpha if name == "streaming_4bit" else args.sparse_mixing_alpha,
             **common,
         )
     # diloco_fp32; hivemind_optimizer reads only model, data and inner optimizer from its manifest
     return SyncConfig(codec="fp32", fragments=1, overlap_steps=0, **common)
+
+
+def sparse_tau(args: argparse.Namespace, tau: int) -> int:
+    """τ of streaming_sparse: its own where given, else streaming_4bit's."""
+    return tau if args.sparse_overlap_steps is None else args.sparse_overlap_steps
 
 
 def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> OuterOptimizerConfig:
@@ -367,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         fragments=args.fragments, overlap_steps=tau, overlap_derivation=tau_why,
         mixing_alpha=args.mixing_alpha, codec=args.codec, compute_cores=args.compute_cores,
         sparse=dict(codec=args.sparse_codec, outer_lr=args.sparse_outer_lr,
-                    outer_momentum=args.sparse_outer_momentum, mixing_alpha=args.sparse_mixing_alpha),
+                    outer_momentum=args.sparse_outer_momentum, mixing_alpha=args.sparse_mixing_alpha,
+                    overlap_steps=sparse_tau(args, tau)),
         no_sync_baseline=baseline,
         comm_priority=args.comm_priority, batch_size=args.batch_size, seq_len=args.seq_len,
         model=base.model.model_dump(), model_parameters=n_params, model_bytes_fp32=model_bytes,

@@ -45,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sparse_outer_momentum", type=float, default=0.0, help="outer momentum of streaming_sparse"
     )
     p.add_argument("--sparse_mixing_alpha", type=float, default=0.0, help="α of streaming_sparse")
+    # with α = 0 a fragment's τ overlapping steps are dropped at the merge: in process at H = 24, P = 4,
+    # τ = 2 lost less than τ = 5 (docs/benchmarks/sparse_outer.md, session 56)
+    p.add_argument(
+        "--sparse_overlap_steps", type=int, default=None, help="τ of streaming_sparse (default: 4-bit's)"
+    )
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--d_model", type=int, default=256)
@@ -76,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     if args.blocks % args.fragments:
         p.error(f"--blocks {args.blocks} must be a multiple of --fragments {args.fragments} (whole blocks)")
+    if args.sparse_overlap_steps is not None and not 0 <= args.sparse_overlap_steps < max(
+        1, args.inner_steps // args.fragments
+    ):
+        p.error(f"--sparse_overlap_steps {args.sparse_overlap_steps} must be in [0, H/P)")
     if args.steps % args.inner_steps:
         p.error("--steps must be a multiple of --inner_steps (whole rounds, equal steps everywhere)")
     return args

@@ -331,10 +331,11 @@ def _sparse(report: dict) -> str:
     sp = report.get("sparse")
     if not sp:
         return ""
+    own_tau = sp.get("overlap_steps") not in (None, report["overlap_steps"])
     return (
         f" (streaming_sparse: codec {sp.get('codec', 'sparse')}, outer lr {sp['outer_lr']:g}, "
         f"momentum {sp['outer_momentum']:g}, "
-        f"α = {sp['mixing_alpha']:g})"
+        f"α = {sp['mixing_alpha']:g}" + (f", τ = {sp['overlap_steps']}" if own_tau else "") + ")"
     )
 
 

@@ -172,9 +172,17 @@ class ModuleSync:
 
     @torch.no_grad()
     def apply(
-        self, fragment: int, delta: torch.Tensor, alpha: float = 0.0, prepared: PreparedStep | None = None
+        self,
+        fragment: int,
+        delta: torch.Tensor,
+        alpha: float = 0.0,
+        prepared: PreparedStep | None = None,
+        sent_local: torch.Tensor | None = None,
     ) -> None:
         """Outer step on θ̄ of the fragment with the group's Δ̄, then θ_local ← α·θ_local + (1−α)·θ̃.
+        Given `sent_local` (the fragment's θ_local when its Δ was taken), the steps trained since are
+        carried onto the new copy: θ̃ + (θ_local − sent_local) stands for θ̃ in the merge, so that
+        the overlap's steps go into the next Δ instead of being dropped.
         `prepared` (from `prepare_step` with the same Δ̄) is used only if it was computed from the
         state the fragment holds now; otherwise the step is computed here."""
         theta, momentum = self.global_flats[fragment], self.momenta[fragment]
@@ -185,11 +193,13 @@ class ModuleSync:
             self.fragment_rounds[fragment] += 1
             self._digests[fragment] = prepared.digest
         g = self.global_flats[fragment]
-        if alpha == 0.0:
+        if alpha == 0.0 and sent_local is None:
             self.plan.scatter(g, self.local_params, fragment)
-        else:
-            local = self.plan.gather(self.local_params, fragment)
-            self.plan.scatter(alpha * local + (1 - alpha) * g, self.local_params, fragment)
+            return
+        local = self.plan.gather(self.local_params, fragment)
+        if sent_local is not None:
+            g = torch.add(g, torch.sub(local, sent_local.reshape(local.shape)))
+        self.plan.scatter(g if alpha == 0.0 else alpha * local + (1 - alpha) * g, self.local_params, fragment)
 
     def fragment_copy(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fragment's θ̄ and outer momentum (replaced, never written in place, by a round)."""
