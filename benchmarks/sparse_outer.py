@@ -142,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_docs", type=int, default=100, help="eval (and validation) documents scored")
     p.add_argument("--eval_every", type=int, default=20, help="rounds between points of the loss curve")
     p.add_argument("--tune", action="store_true", help="pick lr / momentum / density on the validation split")
+    p.add_argument(
+        "--tune_runs", default="", help="comma-separated runs --tune tunes (default: every tunable one)"
+    )
     p.add_argument("--tune_seed", type=int, default=0)
     p.add_argument("--tune_steps", type=int, default=None, help="steps of a tuning run (default: --steps)")
     p.add_argument("--tune_lr_factors", default="0.5,1,2", help="× each tunable run's lr")
@@ -156,6 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    args.tune_runs = [r.strip() for r in args.tune_runs.split(",") if r.strip()]
+    if stray := set(args.tune_runs) - set(args.runs) - {REFERENCE}:
+        p.error(f"--tune_runs: {sorted(stray)} not among --runs")
     unknown = set(args.runs) - set(RUNS)
     if unknown:
         p.error(f"--runs: unknown {sorted(unknown)}; choose from {list(RUNS)}")
@@ -216,6 +222,12 @@ def _settings(run: dict) -> dict:
     return {k: v for k, v in run.items() if k != "tune"}
 
 
+def tunable(runs: dict[str, dict], args: argparse.Namespace) -> list[str]:
+    """The runs `--tune` tunes: those with knobs to tune, of `--tune_runs` where given (the others run
+    with the table's settings, e.g. a reference already tuned on the same schedule)."""
+    return [n for n, r in runs.items() if r.get("tune") and (not args.tune_runs or n in args.tune_runs)]
+
+
 def tune(pool, runs: dict[str, dict], args: argparse.Namespace) -> dict[str, dict]:
     """Every tunable run's candidates at the tune seed, scored on the validation split."""
     short = argparse.Namespace(**{**vars(args), "steps": args.tune_steps})
@@ -225,7 +237,7 @@ def tune(pool, runs: dict[str, dict], args: argparse.Namespace) -> dict[str, dic
             for c in candidates(r, args)
         ]
         for name, r in runs.items()
-        if r.get("tune")
+        if name in tunable(runs, args)
     }
     out = {}
     for name, tried in futures.items():

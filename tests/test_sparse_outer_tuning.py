@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.sparse_outer import RUNS, candidates, parse_args, summarise
+from benchmarks.sparse_outer import RUNS, candidates, parse_args, summarise, tunable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,3 +42,13 @@ def test_a_muon_codec_run_brings_and_is_compared_with_the_fp32_run_of_the_same_i
     assert out["dense_2bit_muon"]["eval_loss_ratio_same_inner"] == pytest.approx(1.2)  # the codec's own cost
     assert out["diloco_fp32_muon"]["eval_loss_ratio_same_inner"] == pytest.approx(1.0)
     assert out["diloco_fp32"]["eval_loss_ratio_same_inner"] == pytest.approx(1.0)
+
+
+def test_tune_runs_limits_tuning_to_the_runs_named_and_refuses_one_not_run():
+    runs = {name: RUNS[name] for name in ("diloco_fp32", "sparse2bit", "streaming_fp32")}
+    every = parse_args(["--out", "/unused", "--tune", "--runs", "sparse2bit,streaming_fp32"])
+    assert tunable(runs, every) == ["diloco_fp32", "sparse2bit", "streaming_fp32"]
+    named = parse_args(["--out", "/unused", "--tune", "--runs", "sparse2bit", "--tune_runs", "sparse2bit"])
+    assert tunable(runs, named) == ["sparse2bit"]
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "/unused", "--tune", "--runs", "sparse2bit", "--tune_runs", "dense_2bit"])
