@@ -12,7 +12,8 @@ that only the outer gradient's code and the outer step differ between runs:
 * `sparse2bit` — SparseLoCo's recipe at Covenant-72B's byte budget (the top 92 of each chunk of
   4096, 2-bit values, Elias-Fano indices: 151x fewer bytes than fp32), same outer step;
   `sparse2bit_nesterov` the same codec under DiLoCo's momentum, to see what momentum does with
-  error feedback;
+  error feedback; `sparse2bit_carry` the same with the steps a fragment trained since its Δ was sent
+  carried onto its new copy (`ModuleSync.apply`'s `sent_local`), where α = 0 drops them;
 * `dense_2bit` — MuLoCo's 2-bit dense code of every value with error feedback, α = 0 (its error
   feedback decay tuned too: `--tune_decays`);
 * `diloco_dense_2bit` — the same code on DiLoCo's schedule (P = 1, τ = 0), as MuLoCo ran it; with
@@ -20,7 +21,8 @@ that only the outer gradient's code and the outer step differ between runs:
   `diloco_dense_2bit_vectors32` (every 1-D parameter unquantized), `diloco_dense_2bit_warm10` (the
   first 10 rounds in nf4);
   `streaming_fp32` — fp32 on the codec runs' streaming schedule (P = 4, τ = 1, α = 0): together they
-  tell what the schedule costs from what the code costs;
+  tell what the schedule costs from what the code costs; `streaming_nf4_carry` nf4 at α = 0 with the
+  steps since the send carried, as `sparse2bit_carry`;
 * `diloco_fp32_muon`, `dense_2bit_muon`, `diloco_dense_2bit_muon` — with Muon as the inner optimizer
   (MuLoCo's setting, the manifest's `inner.muon`); each is also compared with `diloco_fp32_muon`
   (`eval_loss_ratio_same_inner`: what the codec alone costs), which runs whenever one of them does.
@@ -35,7 +37,7 @@ rounds and against bytes sent.
 `--tune` first picks each tunable run's outer lr (and sparse2bit's density, dense_2bit's momentum,
 and with `--tune_inner_lrs` every run's inner lr)
 on a validation split (held-out training documents, never the eval documents nor trained on) at
-`--tune_seed`, records every candidate's loss and the pick, and then runs the picks at `--seeds`.
+`--tune_seed` (`--tune_runs` names the runs to tune, the others run as given), records every candidate's loss and the pick, and then runs the picks at `--seeds`.
 Density is picked among those within the record's byte budget (Covenant-72B's 146x fewer bytes than
 fp32, 0.219 bits per number, counted on the codec's own layout: with Elias-Fano indices up to 95 of
 each 4096); denser ones are tried and recorded as the trade-off, since more bytes always lose less.

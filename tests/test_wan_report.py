@@ -105,6 +105,8 @@ CPU = dict(
     compute_cpu_seconds_per_peer=18.0,
     comm_cpu_seconds_per_peer=9.52,
     training_thread_preemptions_per_peer=12345.0,
+    host_steal_seconds=3.25,
+    host_cpu_seconds_outside_peers=40.0,
 )
 
 
@@ -136,6 +138,21 @@ def test_targets_compare_wire_peaks_and_the_table_shows_both_peaks_and_matchmaki
     # each run's CPU, and how often its training thread was preempted (the runs that recorded it)
     cpu = next(line for line in text.splitlines() if line.startswith("CPU per peer"))
     assert cpu.endswith("preempted: streaming_4bit 18.0 / 9.5 s, 12,345"), cpu
+    host = next(line for line in text.splitlines() if line.startswith("The machine's CPU"))
+    assert host.endswith("the lab itself, other processes): streaming_4bit 3.2 / 40.0 s"), host
+
+
+def test_a_runs_host_steal_and_cpu_beyond_the_peers_come_from_proc_stat_deltas():
+    from benchmarks.wan.cpu import CLOCK_TICKS, host_cpu_times, host_share
+
+    t = CLOCK_TICKS  # user nice system idle iowait irq softirq steal guest guest_nice
+    first = host_cpu_times(f"cpu  {100 * t} 0 {20 * t} 999 5 0 0 {2 * t} 0 0\ncpu0 1")
+    last = host_cpu_times(f"cpu  {150 * t} {t} {30 * t} 999 5 {t} 0 {9 * t} 0 0")
+    share = host_share(first, last, peers_cpu_seconds=40.0)
+    assert share == dict(host_steal_seconds=7.0, host_cpu_seconds_outside_peers=22.0)  # 62 busy − 40
+    assert host_share(first, None, 40.0) == {}  # a run stopped before its first sample: nothing claimed
+    live = host_cpu_times()
+    assert live["busy_seconds"] > 0 and live["steal_seconds"] >= 0
 
 
 def test_a_threads_involuntary_context_switches_are_read_from_proc():

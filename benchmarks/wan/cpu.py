@@ -38,9 +38,15 @@ class PeerCpu(threading.Thread):
         # it (each costs it its caches; session 55: the p2p daemon's wake-ups, most of them)
         self.preempted: dict[int, int] = {}
         self.names: dict[int, str] = {}
+        # the whole machine's CPU times at the start and at the last sample: what the host (another
+        # tenant of the VM's cores: steal) and processes outside the lab took from the peers' cores
+        self.host_first: dict[str, float] | None = None
+        self.host_last: dict[str, float] | None = None
 
     def run(self) -> None:
+        self.host_first = host_cpu_times()
         while True:
+            self.host_last = host_cpu_times()
             for pid, leader in _group_members(self.leaders):
                 for tid in _threads(pid):
                     try:
@@ -85,7 +91,30 @@ class PeerCpu(threading.Thread):
             comm_cpu_seconds_per_peer=comm / n,
             cpu_seconds_per_peer_by_process=by_process,
             training_thread_preemptions_per_peer=sum(self.preempted.values()) / n,
+            **host_share(self.host_first, self.host_last, compute + comm),
         )
+
+
+def host_cpu_times(stat: str | None = None) -> dict[str, float]:
+    """The machine's busy and steal CPU seconds since boot, all cores, from /proc/stat's first line."""
+    line = (stat if stat is not None else Path("/proc/stat").read_text()).splitlines()[0]
+    # cpu user nice system idle iowait irq softirq steal [guest guest_nice, already within user, nice]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in line.split()[1:9])
+    return dict(
+        busy_seconds=(user + nice + system + irq + softirq) / CLOCK_TICKS, steal_seconds=steal / CLOCK_TICKS
+    )
+
+
+def host_share(first: dict | None, last: dict | None, peers_cpu_seconds: float) -> dict[str, float]:
+    """Over a run: the CPU the hypervisor gave others (steal) and what the machine spent beyond the
+    peers' processes (the lab's own sampling, other processes), in seconds; empty where unsampled."""
+    if not first or not last:
+        return {}
+    busy = last["busy_seconds"] - first["busy_seconds"]
+    return dict(
+        host_steal_seconds=last["steal_seconds"] - first["steal_seconds"],
+        host_cpu_seconds_outside_peers=max(0.0, busy - peers_cpu_seconds),
+    )
 
 
 def _involuntary_switches(pid: int, tid: int, last: int) -> int:

@@ -372,6 +372,11 @@ def write_markdown(path: Path, report: dict) -> str:
     if cpu:
         lines += ["", "CPU per peer, training thread / the rest (sync, p2p daemon, DHT), and times its "
                   "training thread was preempted: " + "; ".join(cpu)]  # fmt: skip
+    host = [f"{name} {r['host_steal_seconds']:.1f} / {r['host_cpu_seconds_outside_peers']:.1f} s"
+            for name, r in runs.items() if "host_steal_seconds" in r]  # fmt: skip
+    if host:
+        lines += ["", "The machine's CPU over each run, all cores: stolen by the hypervisor / spent outside "
+                  "the peers (the lab itself, other processes): " + "; ".join(host)]  # fmt: skip
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
