@@ -259,14 +259,16 @@ def test_throughput_is_steady_state_and_the_final_drain_is_reported_beside_it():
     assert short["tokens_per_second"] == short["tokens_per_second_to_the_end"] == 80.0
 
 
-def test_streaming_sparse_takes_its_own_overlap_when_given_and_streaming_4bits_otherwise():
+def test_streaming_sparse_takes_its_own_overlap_given_or_two_below_h_over_p_and_4bit_keeps_its_own():
     from benchmarks.wan.driver import sync_config
     from benchmarks.wan.options import parse_args
 
-    given = parse_args(["--out", "x", "--inner_steps", "24", "--sparse_overlap_steps", "2"])
-    assert sync_config("streaming_sparse", given, 5).overlap_steps == 2
+    given = parse_args(["--out", "x", "--inner_steps", "24", "--sparse_overlap_steps", "3"])
+    assert sync_config("streaming_sparse", given, 5).overlap_steps == 3
     assert sync_config("streaming_4bit", given, 5).overlap_steps == 5
-    same = parse_args(["--out", "x", "--inner_steps", "24"])
-    assert sync_config("streaming_sparse", same, 5).overlap_steps == 5
+    default = parse_args(["--out", "x", "--inner_steps", "24"])
+    assert sync_config("streaming_sparse", default, 5).overlap_steps == 2
+    short = parse_args(["--out", "x", "--inner_steps", "8"])  # H/P = 2: only τ = 0 or 1 ends in time
+    assert sync_config("streaming_sparse", short, 1).overlap_steps == 1
     with pytest.raises(SystemExit):  # τ = H/P: the next fragment's round would start first
         parse_args(["--out", "x", "--inner_steps", "24", "--sparse_overlap_steps", "6"])

@@ -13,10 +13,11 @@ every module: plain data-parallel DiLoCo, comparable with hivemind.Optimizer.
 * `streaming_4bit` — P fragments synced H/P steps apart, overlapped τ steps, α = 0.5, a 4-bit codec.
   Unless `--overlap_steps` is given, τ is derived from the two runs before it: the step time of
   `no_sync` and the blocking sync time of `diloco_fp32` (see `derive_tau`).
-* `streaming_sparse` — as `streaming_4bit` with the same P and τ, but `--sparse_codec` (default
-  `sparse2bit`: the top 1/64 of each chunk of 4096 at 2 bits, Elias-Fano indices, the rest kept as
-  error feedback) and SparseLoCo's outer step (no momentum, α = 0, outer lr 4, as
-  `benchmarks.sparse_outer` tuned it on its validation split).
+* `streaming_sparse` — as `streaming_4bit` with the same P (and τ, unless `--sparse_overlap_steps`
+  gives its own: with α = 0 the overlap's steps are dropped at the merge, so a shorter τ loses
+  less), but `--sparse_codec` (default `sparse2bit`: the top 92 of each chunk of 4096 at 2 bits,
+  Elias-Fano indices, the rest kept as error feedback) and SparseLoCo's outer step (no momentum,
+  α = 0, `--sparse_outer_lr`, tuned with `benchmarks.sparse_outer` on its validation split).
 * `hivemind_optimizer` — stock `hivemind.Optimizer(use_local_updates=True)` averaging parameters
   in fp32 every peers × batch × H samples, configured as hivemind's guide says for a small local
   run (matchmaking 5 s), plus one average after the last step when its epochs (which end a few

@@ -20,7 +20,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from benchmarks.wan import report
 from benchmarks.wan.cpu import PeerCpu
 from benchmarks.wan.netlab import Host, NetLab, Sampler, can_limit_threads, can_make_namespaces
-from benchmarks.wan.options import CONFIGS, NO_SYNC, STREAMING, parse_args
+from benchmarks.wan.options import CONFIGS, NO_SYNC, SPARSE_OVERLAP_STEPS, STREAMING, parse_args
 from benchmarks.wan.report import Outcome
 from peer.checkpoint import load_latest_checkpoint
 from peer.codecs.specs import codec_spec
@@ -101,7 +101,7 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
         return SyncConfig(
             codec=args.codec if name == "streaming_4bit" else args.sparse_codec,
             fragments=args.fragments,
-            overlap_steps=sparse_tau(args, tau) if name == "streaming_sparse" else tau,
+            overlap_steps=sparse_tau(args) if name == "streaming_sparse" else tau,
             mixing_alpha=args.mixing_alpha if name == "streaming_4bit" else args.sparse_mixing_alpha,
             **common,
         )
@@ -109,14 +109,16 @@ def sync_config(name: str, args: argparse.Namespace, tau: int) -> SyncConfig:
     return SyncConfig(codec="fp32", fragments=1, overlap_steps=0, **common)
 
 
-def sparse_tau(args: argparse.Namespace, tau: int) -> int:
-    """τ of streaming_sparse: its own where given, else streaming_4bit's."""
-    return tau if args.sparse_overlap_steps is None else args.sparse_overlap_steps
+def sparse_tau(args: argparse.Namespace) -> int:
+    """τ of streaming_sparse: its own where given, else SPARSE_OVERLAP_STEPS below H/P."""
+    if args.sparse_overlap_steps is not None:
+        return args.sparse_overlap_steps
+    return min(SPARSE_OVERLAP_STEPS, max(0, args.inner_steps // args.fragments - 1))
 
 
 def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> OuterOptimizerConfig:
     """DiLoCo's outer step (lr 0.7, Nesterov 0.9) for every run but streaming_sparse's (SparseLoCo's:
-    no momentum, error feedback in its place, lr 4 as benchmarks.sparse_outer tuned it)."""
+    no momentum, error feedback in its place, --sparse_outer_lr)."""
     if name != "streaming_sparse":
         return base.outer
     m = args.sparse_outer_momentum
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         mixing_alpha=args.mixing_alpha, codec=args.codec, compute_cores=args.compute_cores,
         sparse=dict(codec=args.sparse_codec, outer_lr=args.sparse_outer_lr,
                     outer_momentum=args.sparse_outer_momentum, mixing_alpha=args.sparse_mixing_alpha,
-                    overlap_steps=sparse_tau(args, tau)),
+                    overlap_steps=sparse_tau(args)),
         no_sync_baseline=baseline,
         comm_priority=args.comm_priority, batch_size=args.batch_size, seq_len=args.seq_len,
         model=base.model.model_dump(), model_parameters=n_params, model_bytes_fp32=model_bytes,
