@@ -408,3 +408,31 @@ def test_a_peer_restarted_mid_round_never_signs_a_second_report_for_it_and_is_no
 
 async def _reports_of(member, key) -> list[str]:
     return list(member.service.inbox.slot(key).reports.reports)
+
+
+def test_a_member_that_answers_our_resent_part_as_a_duplicate_is_counted_as_holding_it(dht_factory):
+    """Our first send's ACK lost on our side, the part resent (`answer`): the member says "duplicate",
+    which means it holds our part for this round, as an "ok" would; it is not recorded as refusing it."""
+    with sync_group(dht_factory, 2, NUMEL) as (a, b):
+        header = wire.DeltaHeader(
+            run=RUN_ID[:16], key=wire.RoundKey(module=MODULE, fragment=0, round=0), weight=1.0,
+            codec="fp32", numel=NUMEL, payload_bytes=NUMEL * 4, admission=a.token,
+        )  # fmt: skip
+        frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, fp32_bytes(deltas_for(1)[0]))]
+        key = (MODULE, 0, 0)
+
+        def send() -> tuple[dict, set]:
+            failed, took = {}, set()
+            deadline = a.service.call(_loop_time(), timeout=5) + 10.0
+            a.service.call(a.runner._send(b.peer_id, frames, deadline, failed, key, took=took), timeout=20)
+            return failed, took
+
+        assert send() == ({}, {b.peer_id})  # it took our part
+        assert send() == ({}, {b.peer_id})  # "duplicate": it holds it
+        assert a.peer_id in b.service.inbox.slot(key).deliveries
+
+
+async def _loop_time() -> float:
+    import asyncio
+
+    return asyncio.get_running_loop().time()

@@ -356,7 +356,8 @@ class RoundRunner:
                 failed[member] = f"unreachable ({type(e).__name__})"
                 self.service.inbox.unreachable(member)
                 break
-            if ack.ok:
+            # "duplicate": it holds our part (our first send's ACK was lost on our side), as "ok" says
+            if ack.ok or (not report and ack.reason.startswith("duplicate")):
                 if took is not None:
                     took.add(member)
                 break
