@@ -37,7 +37,8 @@ rounds and against bytes sent.
 `--tune` first picks each tunable run's outer lr (and sparse2bit's density, dense_2bit's momentum,
 and with `--tune_inner_lrs` every run's inner lr)
 on a validation split (held-out training documents, never the eval documents nor trained on) at
-`--tune_seed` (`--tune_runs` names the runs to tune, the others run as given), records every candidate's loss and the pick, and then runs the picks at `--seeds`.
+`--tune_seed` (`--tune_runs` names the runs to tune, the others run as given), records every
+candidate's loss and the pick, and then runs the picks at `--seeds`.
 Density is picked among those within the record's byte budget (Covenant-72B's 146x fewer bytes than
 fp32, 0.219 bits per number, counted on the codec's own layout: with Elias-Fano indices up to 95 of
 each 4096); denser ones are tried and recorded as the trade-off, since more bytes always lose less.
@@ -236,10 +237,9 @@ def tune(pool, runs: dict[str, dict], args: argparse.Namespace) -> dict[str, dic
     futures = {
         name: [
             (c, pool.submit(train, _settings(c), short, args.tune_seed, "validation"))
-            for c in candidates(r, args)
+            for c in candidates(runs[name], args)
         ]
-        for name, r in runs.items()
-        if name in tunable(runs, args)
+        for name in tunable(runs, args)
     }
     out = {}
     for name, tried in futures.items():

@@ -3,6 +3,7 @@ what happens to members that are missing, late, malformed, hostile or equivocati
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 
@@ -421,18 +422,12 @@ def test_a_member_that_answers_our_resent_part_as_a_duplicate_is_counted_as_hold
         frames = [wire.pack_header(Kind.DELTA, header), wire.pack(Kind.PAYLOAD, fp32_bytes(deltas_for(1)[0]))]
         key = (MODULE, 0, 0)
 
-        def send() -> tuple[dict, set]:
+        async def send() -> tuple[dict, set]:
             failed, took = {}, set()
-            deadline = a.service.call(_loop_time(), timeout=5) + 10.0
-            a.service.call(a.runner._send(b.peer_id, frames, deadline, failed, key, took=took), timeout=20)
+            deadline = asyncio.get_running_loop().time() + 10.0
+            await a.runner._send(b.peer_id, frames, deadline, failed, key, took=took)
             return failed, took
 
-        assert send() == ({}, {b.peer_id})  # it took our part
-        assert send() == ({}, {b.peer_id})  # "duplicate": it holds it
+        assert a.service.call(send(), timeout=20) == ({}, {b.peer_id})  # it took our part
+        assert a.service.call(send(), timeout=20) == ({}, {b.peer_id})  # "duplicate": it holds it
         assert a.peer_id in b.service.inbox.slot(key).deliveries
-
-
-async def _loop_time() -> float:
-    import asyncio
-
-    return asyncio.get_running_loop().time()

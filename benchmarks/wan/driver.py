@@ -20,7 +20,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 from benchmarks.wan import report
 from benchmarks.wan.cpu import PeerCpu
 from benchmarks.wan.netlab import Host, NetLab, Sampler, can_limit_threads, can_make_namespaces
-from benchmarks.wan.options import CONFIGS, NO_SYNC, SPARSE_OVERLAP_STEPS, STREAMING, parse_args
+from benchmarks.wan.options import (
+    CONFIGS,
+    NO_SYNC,
+    SPARSE_OVERLAP_STEPS,
+    STREAMING,
+    largest_overlap_steps,
+    parse_args,
+)
 from benchmarks.wan.report import Outcome
 from peer.checkpoint import load_latest_checkpoint
 from peer.codecs.specs import codec_spec
@@ -113,7 +120,7 @@ def sparse_tau(args: argparse.Namespace) -> int:
     """τ of streaming_sparse: its own where given, else SPARSE_OVERLAP_STEPS below H/P."""
     if args.sparse_overlap_steps is not None:
         return args.sparse_overlap_steps
-    return min(SPARSE_OVERLAP_STEPS, max(0, args.inner_steps // args.fragments - 1))
+    return min(SPARSE_OVERLAP_STEPS, largest_overlap_steps(args))
 
 
 def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> OuterOptimizerConfig:
@@ -128,7 +135,7 @@ def outer_config(name: str, args: argparse.Namespace, base: RunManifest) -> Oute
 def derive_tau(args: argparse.Namespace, runs: dict[str, dict], model_bytes: int) -> tuple[int, dict]:
     """τ such that one fragment's all-reduce finishes within τ steps, with a 2x margin, from measured
     step time (no_sync) and blocking sync time (diloco_fp32), and τ < H/P as Streaming DiLoCo needs."""
-    limit = max(1, args.inner_steps // args.fragments - 1)
+    limit = max(1, largest_overlap_steps(args))
     why: dict = dict(max_tau=limit)
     if args.overlap_steps is not None:
         return max(0, args.overlap_steps), {**why, "given": True}

@@ -25,6 +25,11 @@ STREAMING = ("streaming_4bit", "streaming_sparse")
 SPARSE_OVERLAP_STEPS = 2
 
 
+def largest_overlap_steps(args: argparse.Namespace) -> int:
+    """H/P − 1 (at least 0): a fragment's round must end before the next fragment's begins."""
+    return max(0, args.inner_steps // args.fragments - 1)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description="Streaming DiLoCo, emulated WAN")
     p.add_argument("--out", type=Path, required=True)
@@ -87,9 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     if args.blocks % args.fragments:
         p.error(f"--blocks {args.blocks} must be a multiple of --fragments {args.fragments} (whole blocks)")
-    if args.sparse_overlap_steps is not None and not 0 <= args.sparse_overlap_steps < max(
-        1, args.inner_steps // args.fragments
-    ):
+    sparse_tau = args.sparse_overlap_steps
+    if sparse_tau is not None and not 0 <= sparse_tau <= largest_overlap_steps(args):
         p.error(f"--sparse_overlap_steps {args.sparse_overlap_steps} must be in [0, H/P)")
     if args.steps % args.inner_steps:
         p.error("--steps must be a multiple of --inner_steps (whole rounds, equal steps everywhere)")
