@@ -61,10 +61,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     from benchmarks.wan.driver import LabTraining
     from peer.config import OuterOptimizerConfig
     from peer.data.sources import eval_documents
-    from peer.model.transformer import PathModel
-    from peer.offline.simulate import InnerLoop, document_batches
     from peer.sync.fragments import fragments_due
-    from peer.sync.module_sync import ModuleSync
 
     torch.set_num_threads(1)
     lab = LabTraining.load(*lab_flags(args))
@@ -81,17 +78,7 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
     inner = m.inner.model_copy(
         update={"muon": bool(run.get("muon")), "lr": run.get("inner_lr") or m.inner.lr}
     )
-    loops = []
-    for i in range(args.peers):
-        # the seed sets the initial weights (the same for every replica, as a run's manifest does)
-        # and each replica's batch order
-        model = PathModel(m.model, (0,) * m.model.n_levels, seed=seed)
-        batches = document_batches(train_docs, lab.tokenizer, m.seq_len, lab.args.batch_size, 1000 * seed + i)
-        loops.append(InnerLoop(model, batches, inner, total_steps=args.steps))
-    syncs = [
-        {mid: ModuleSync(m.model, mid, part, outer, n_fragments=P) for mid, part in loop.model.parts.items()}
-        for loop in loops
-    ]
+    loops, syncs = _replicas(lab, train_docs, inner, outer, P, seed, args)
     codec = make_run_codec(run)
     codes = RunCodes(run, codec, args.inner_steps, syncs[0])
     decay = args.error_feedback_decay if run.get("decay") is None else run["decay"]  # a tuned run's own
@@ -139,6 +126,26 @@ def train(run: dict, args: argparse.Namespace, seed: int, score_on: str) -> dict
         wire_bits_per_value_per_round=8 * sent / args.peers / rounds / values, values=values,
         seconds=time.monotonic() - started, cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
+
+
+def _replicas(lab, train_docs: list, inner, outer, P: int, seed: int, args: argparse.Namespace):
+    """Each replica's inner loop and, per module, its `ModuleSync`: the seed sets the initial weights
+    (the same for every replica, as a run's manifest does) and each replica's batch order."""
+    from peer.model.transformer import PathModel
+    from peer.offline.simulate import InnerLoop, document_batches
+    from peer.sync.module_sync import ModuleSync
+
+    m = lab.manifest
+    loops = []
+    for i in range(args.peers):
+        model = PathModel(m.model, (0,) * m.model.n_levels, seed=seed)
+        batches = document_batches(train_docs, lab.tokenizer, m.seq_len, lab.args.batch_size, 1000 * seed + i)
+        loops.append(InnerLoop(model, batches, inner, total_steps=args.steps))
+    syncs = [
+        {mid: ModuleSync(m.model, mid, part, outer, n_fragments=P) for mid, part in loop.model.parts.items()}
+        for loop in loops
+    ]
+    return loops, syncs
 
 
 class RunCodes:
