@@ -1,6 +1,6 @@
 """A round still running at its due step (its other members are slower) is trained through, not
 waited for, when the run overlaps (τ > 0, α > 0), for at most H/P steps; the schedule holds until it
-ends. τ a peer raised carries over a rotation."""
+ends. τ a peer raised carries over a rotation, and comes down again once its rounds fit in a step less."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ H, TAU = 8, 2
 TOKENS_PER_STEP = 100
 
 
-def _loops(members, tau: int, alpha: float) -> tuple[list[StreamingOuter], list[ModuleSync]]:
+def _loops(members, tau: int, alpha: float, h: int = H) -> tuple[list[StreamingOuter], list[ModuleSync]]:
     sync = SyncConfig(
-        inner_steps=H, overlap_steps=tau, mixing_alpha=alpha, codec="fp32", aggregator="mean",
+        inner_steps=h, overlap_steps=tau, mixing_alpha=alpha, codec="fp32", aggregator="mean",
         averaging_timeout_seconds=10.0,
     )  # fmt: skip
     manifest = RunManifest(name="t", model=CFG, seq_len=32, sync=sync, outer=OuterOptimizerConfig(lr=0.7))
@@ -65,7 +65,13 @@ class Holder:
 
 @contextmanager
 def _pair(
-    dht_factory, tau: int, alpha: float, seed: int, sent: dict | None = None, averaging_timeout: float = 10.0
+    dht_factory,
+    tau: int,
+    alpha: float,
+    seed: int,
+    sent: dict | None = None,
+    averaging_timeout: float = 10.0,
+    h: int = H,
 ) -> Iterator[list[Holder]]:
     """Two holders of one module, each with a real DHT node, sync service and round runner (`sent`:
     a member's record of rounds sent, as a restarted peer reads it)."""
@@ -73,7 +79,7 @@ def _pair(
     numel = ModuleSync(CFG, MODULE, module, OuterOptimizerConfig(), 1).fragment_size(0)
     with sync_group(dht_factory, 2, numel, sent=sent, averaging_timeout=averaging_timeout) as members:
         holders = {MODULE: [m.peer_id for m in members]}
-        loops, syncs = _loops(members, tau, alpha)
+        loops, syncs = _loops(members, tau, alpha, h)
         gen = torch.Generator().manual_seed(seed)
         yield [Holder(loop, ms, gen, holders) for loop, ms in zip(loops, syncs, strict=True)]
 
@@ -155,6 +161,29 @@ def test_a_peer_that_moves_to_another_path_keeps_the_overlap_its_syncs_raised(dh
         assert fresh.outer.overlap.tau == 1  # a peer's first path: the manifest's τ
     finally:
         old.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_tau_raised_earlier_comes_down_to_the_manifests_once_real_rounds_fit_in_a_step_less(dht_factory):
+    """Each holder times its own rounds from their start to their end, and the loop hands that to its
+    `OverlapTuner`: rounds between two holders on loopback, with steps of ~0.4 s, fit in one step, so
+    a τ of 2 (raised by late syncs before) comes down to the manifest's 1 after two syncs that fit,
+    and no lower."""
+    with _pair(dht_factory, 1, 0.5, seed=7, h=4) as (a, b):  # P = 1: lowered after 2 syncs that fit
+        for holder in (a, b):
+            holder.loop.overlap.tau = 2
+        taus = {id(a): [], id(b): []}
+        for _ in range(4 * 4 + 2):  # four syncs of each holder, each due τ steps after its start
+            for holder in (a, b):
+                time.sleep(0.2)  # the step's compute: each holder's step time is both sleeps
+                holder.step()
+                taus[id(holder)].append(holder.loop.overlap.tau)
+        assert a.ms.fragment_rounds == b.ms.fragment_rounds and a.ms.fragment_rounds[0] >= 3
+        assert torch.equal(a.ms.global_flats[0], b.ms.global_flats[0])
+        for holder in (a, b):
+            assert min(taus[id(holder)]) == 1 and taus[id(holder)][0] == 2, taus[id(holder)]
+        advance(a.loop, 0, {MODULE: [a.loop.peer_id]}, drain=True)
+        advance(b.loop, 0, {MODULE: [b.loop.peer_id]}, drain=True)
 
 
 @pytest.mark.timeout(120)

@@ -175,6 +175,36 @@ def test_overlap_is_raised_when_syncs_outlast_it_up_to_h_over_p_then_warns(caplo
     assert blocking.tau == 0
 
 
+def test_a_raised_overlap_is_lowered_a_step_at_a_time_once_syncs_fit_again_never_below_the_manifests():
+    """With α = 0 each step of τ drops that step's training of the fragment: a τ that one stretch of
+    slow syncs raised must come down once syncs fit in a step less, two rounds of fragments in a row."""
+    tuner = OverlapTuner(tau=1, inner_steps=12, fragments=2)  # lowered after 2 × P = 4 syncs that fit
+    tuner.step_seconds = 0.1
+    tuner.sync_waited(0.3, 0.4)
+    tuner.sync_waited(0.3, 0.4)
+    assert tuner.tau == 4
+    for _ in range(3):
+        tuner.sync_waited(0.0, 0.25)  # would have fit in τ − 1 = 3 steps (0.3 s)
+    assert tuner.tau == 4  # three of four
+    tuner.sync_waited(0.0, 0.35)  # on time at τ, but not in a step less: the count starts again
+    for _ in range(3):
+        tuner.sync_waited(0.0, 0.25)
+    assert tuner.tau == 4
+    tuner.sync_waited(0.0, 0.25)
+    assert tuner.tau == 3
+    for _ in range(3):
+        tuner.sync_waited(0.0, 0.1)
+    tuner.sync_waited(0.3, 0.5)  # a late one between: no lowering, and not yet a raise
+    tuner.sync_waited(0.0, 0.1)
+    assert tuner.tau == 3
+    for _ in range(8):
+        tuner.sync_waited(0.0, None)  # how long it took is not known: never lowered on that
+    assert tuner.tau == 3
+    for _ in range(100):
+        tuner.sync_waited(0.0, 0.0)
+    assert tuner.tau == 1  # the manifest's, not lower
+
+
 def test_p1_tau0_reproduces_per_module_diloco():
     h, outer = 6, OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)
     base = PathModel(CFG, (1, 0), seed=4)

@@ -332,12 +332,14 @@ class StreamingOuter:
             future = self.runner.start(key, delta, weight, members, digest)
             pending.futures[mid] = future
             future.add_done_callback(self._prepare_when_done(pending, mid, ms, fragment))
+        pending.started_at = time.monotonic()  # the τ steps meant to hide the rounds start now
         self.pending.append(pending)
         return started
 
     @staticmethod
     def _prepare_when_done(pending: PendingSync, mid: str, ms: ModuleSync, fragment: int):
         def prepare(future: Future) -> None:
+            pending.ended_at[mid] = time.monotonic()
             if future.cancelled() or future.exception() is not None:
                 return
             result = future.result()
@@ -371,7 +373,7 @@ class StreamingOuter:
                 detail = f"{type(e).__name__}: {e}"
                 pending.results[mid] = RoundResult("failed", pending.deltas[mid], 1, detail=detail)
         if pending.futures and not pending.detached:  # a sit-out's wait is not the link's
-            self.overlap.sync_waited(time.monotonic() - waiting_since)
+            self.overlap.sync_waited(time.monotonic() - waiting_since, pending.took_seconds())
         fault_point("outer.after_allreduce")
         return pending.results
 

@@ -33,9 +33,19 @@ class PendingSync:
     #: the rounds a sit-out held past the hold, split off the fragment's sync (`StreamingOuter.due`):
     #: the schedule goes on without them, and they are applied when they end
     detached: bool = False
+    #: when its rounds were started (monotonic), and when each module's round ended: how long the
+    #: sync took beside the τ steps meant to hide it (`OverlapTuner`)
+    started_at: float | None = None
+    ended_at: dict[str, float] = field(default_factory=dict)
 
     def finished(self) -> bool:
         return all(f.done() for f in self.futures.values())
+
+    def took_seconds(self) -> float | None:
+        """From the start to its last round's end; None while one has not ended or it never started."""
+        if self.started_at is None or not self.futures or set(self.ended_at) != set(self.futures):
+            return None
+        return max(0.0, max(self.ended_at.values()) - self.started_at)
 
 
 @dataclass
