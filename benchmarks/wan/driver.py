@@ -18,6 +18,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from benchmarks.wan import report
+from benchmarks.wan.copies import copy_groups, global_copy_digest
 from benchmarks.wan.cpu import PeerCpu
 from benchmarks.wan.netlab import Host, NetLab, Sampler, can_limit_threads, can_make_namespaces
 from benchmarks.wan.options import (
@@ -261,7 +262,7 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
         hosts=[h.netns for h in lab.hosts], samples=[[t, [c[0] for c in cs]] for t, cs in sampler.samples]
     )
     (workdir / "wire.json").write_text(json.dumps(wire))
-    histories, finals, tensors0 = [], [], {}
+    histories, finals, tensors0, digests, kept = [], [], {}, [], {}
     for i in range(len(hosts)):
         loaded = load_latest_checkpoint(workdir / f"peer{i}")
         if loaded is None:
@@ -271,8 +272,12 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
         finals.append({k: v for k, v in meta.items() if k != "history"})
         if i == 0:
             tensors0 = tensors
+        digests.append(digest := global_copy_digest(tensors))
+        if digest is not None:
+            kept.setdefault(digest, tensors)  # one checkpoint of each copy, to evaluate it if they split
     return Outcome(name, manifest, histories, finals, tensors0, sampler.samples, commands,
-                   time.monotonic() - started, cpu.cpu_seconds())  # fmt: skip
+                   time.monotonic() - started, cpu.cpu_seconds(), copy_groups(digests),
+                   list(kept.values()))  # fmt: skip
 
 
 # --- measurements ---------------------------------------------------------------------------------
@@ -336,6 +341,9 @@ def evaluate_runs(
         which = "global" if name in ("diloco_fp32", *STREAMING) else "local"
         r["eval_loss"] = report.eval_loss(o.manifest, o.tensors, which, docs)
         r["eval_weights"] = which
+        r["final_copy_groups"] = o.copy_groups
+        if len(o.copy_groups) > 1:  # peer 0's copy does not speak for every holder: each one's loss
+            r["eval_loss_per_copy"] = [report.eval_loss(o.manifest, t, "global", docs) for t in o.copies]
         if which == "global":
             r["eval_loss_local_model"] = report.eval_loss(o.manifest, o.tensors, "local", docs)
         r["tokens_per_second_ratio"] = r["tokens_per_second"] / base_tps

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.wan import copies
 from benchmarks.wan.options import NO_SYNC
 from peer.codecs.specs import codec_spec
 from peer.config import RunManifest, SyncConfig
@@ -30,6 +31,9 @@ class Outcome:
     commands: list[list[str]]
     wall_seconds: float
     cpu: dict[str, float] = field(default_factory=dict)
+    #: peers grouped by the global copy they ended with, and one checkpoint of each group (`copies`)
+    copy_groups: list[list[int]] = field(default_factory=list)
+    copies: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def _interp(points: list[tuple[float, float]], t: float) -> float:
@@ -377,6 +381,8 @@ def write_markdown(path: Path, report: dict) -> str:
     if host:
         lines += ["", "The machine's CPU over each run, all cores: stolen by the hypervisor / spent outside "
                   "the peers (the lab itself, other processes): " + "; ".join(host)]  # fmt: skip
+    if split := copies.split_lines(runs):
+        lines += ["", *split]
     lines += ["", "| target | value | bound | met |", "|---|---:|---:|---|"]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['bound']:.4g} | {'yes' if t['met'] else 'NO'} |")
