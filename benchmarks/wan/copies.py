@@ -18,9 +18,9 @@ def global_copy_digest(tensors: dict[str, torch.Tensor]) -> str | None:
     digest = hashlib.sha256()
     for name in names:
         digest.update(name.encode())
-        digest.update(
-            tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        )
+        # its own memory, as bytes whatever the dtype (bf16 has no numpy type), hashed without a copy
+        # (as `peer.sync.module_sync.state_digest` does)
+        digest.update(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 

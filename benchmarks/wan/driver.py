@@ -262,8 +262,16 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
         hosts=[h.netns for h in lab.hosts], samples=[[t, [c[0] for c in cs]] for t, cs in sampler.samples]
     )
     (workdir / "wire.json").write_text(json.dumps(wire))
+    histories, finals, tensors0, groups, copies = read_checkpoints(name, workdir, len(hosts))
+    return Outcome(name, manifest, histories, finals, tensors0, sampler.samples, commands,
+                   time.monotonic() - started, cpu.cpu_seconds(), groups, copies)  # fmt: skip
+
+
+def read_checkpoints(name: str, workdir: Path, n_peers: int):
+    """Each peer's final checkpoint: its round history, its meta, peer 0's tensors, and the peers
+    grouped by the global copy they ended with, with one checkpoint's tensors of each group."""
     histories, finals, tensors0, digests, kept = [], [], {}, [], {}
-    for i in range(len(hosts)):
+    for i in range(n_peers):
         loaded = load_latest_checkpoint(workdir / f"peer{i}")
         if loaded is None:
             raise RuntimeError(f"{name}: peer{i} left no checkpoint")
@@ -275,9 +283,7 @@ def run_config(name: str, lab: NetLab, manifest: RunManifest, args: argparse.Nam
         digests.append(digest := global_copy_digest(tensors))
         if digest is not None:
             kept.setdefault(digest, tensors)  # one checkpoint of each copy, to evaluate it if they split
-    return Outcome(name, manifest, histories, finals, tensors0, sampler.samples, commands,
-                   time.monotonic() - started, cpu.cpu_seconds(), copy_groups(digests),
-                   list(kept.values()))  # fmt: skip
+    return histories, finals, tensors0, copy_groups(digests), list(kept.values())
 
 
 # --- measurements ---------------------------------------------------------------------------------
