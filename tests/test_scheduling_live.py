@@ -61,6 +61,9 @@ def test_peers_claim_planned_paths_and_form_planned_groups(tmp_path):
                 ["--run", f"{RUN}@{record.run_id[:16]}", "--identity_path", str(tmp_path / f"id{i}"),
                  "--probe_file", str(probe_file), "--max_rounds", str(rounds), "--batch_size", "4",
                  "--torch_threads", "1", "--heartbeat_seconds", "1", "--wait_for_peers", "4",
+                 # round 1 lasts 1.6 s, not 0.6: a peer whose first step came 0.7 s after its
+                 # partner's (a full suite's load, once) still makes it; H = 24 alone did not hold
+                 "--max_inner_steps_per_second", "15",
                  "--checkpoint_dir", str(tmp_path / f"c{i}"), "--keep_checkpoints", "10"],
             )  # fmt: skip
         for i in range(4):
